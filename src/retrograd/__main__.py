@@ -1,0 +1,3 @@
+import sys
+from retrograd.cli.main import main
+sys.exit(main())

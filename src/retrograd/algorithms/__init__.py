@@ -1,0 +1,1 @@
+"""Pure tensor maths: losses and schedules. Imports only torch; no models, no I/O."""

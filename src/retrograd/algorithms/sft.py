@@ -1,0 +1,84 @@
+"""Next-token cross-entropy for SFT, as pure tensor functions.
+
+`linear_cross_entropy_sum(hidden, weight, targets)` computes  sum_i -log softmax(hidden_i @ W^T)[t_i]
+over the selected positions only, in chunks of rows, and never keeps the [N, V] logits: the
+gradient w.r.t. `hidden` (and `weight` when it requires grad) is computed chunk by chunk during the
+forward, where the softmax is at hand, and only scaled in backward. For a 49k vocabulary and
+1,024 target tokens that saves ~200 MB of logits plus the same again for their gradient, and the
+second lm_head matmul that a recompute-in-backward scheme would pay.
+
+This is valid because the loss is a scalar leaf of the graph: backward receives one number.
+"""
+from __future__ import annotations
+
+import torch
+
+IGNORE = -100
+
+
+def select_targets(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shift for next-token prediction and keep only trained positions.
+
+    hidden [B, T, H], labels [B, T] (IGNORE where untrained) -> (hidden_sel [N, H], targets [N]).
+    """
+    h = hidden[:, :-1, :]  # [B, T-1, H] position t predicts token t+1
+    y = labels[:, 1:]  # [B, T-1]
+    keep = y != IGNORE
+    return h[keep], y[keep]
+
+
+class _LinearCrossEntropySum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_size):
+        acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 softmax even for bf16 inputs
+        loss = hidden.new_zeros((), dtype=acc)
+        grad_h = torch.empty_like(hidden) if hidden.requires_grad else None
+        grad_w = torch.zeros_like(weight, dtype=acc) if weight.requires_grad else None
+        for start in range(0, hidden.shape[0], chunk_size):
+            h = hidden[start:start + chunk_size]  # [C, H]
+            y = targets[start:start + chunk_size]  # [C]
+            logits = (h @ weight.t()).to(acc)  # [C, V]
+            lse = torch.logsumexp(logits, dim=-1)  # [C]
+            loss += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
+            if grad_h is not None or grad_w is not None:
+                # d(-log p_y)/d logits = softmax - onehot, computed in place on the logits buffer
+                probs = logits.sub_(lse[:, None]).exp_()
+                probs[torch.arange(y.shape[0], device=y.device), y] -= 1.0
+                probs = probs.to(hidden.dtype)
+                if grad_h is not None:
+                    grad_h[start:start + chunk_size] = probs @ weight  # [C, H]
+                if grad_w is not None:
+                    grad_w.addmm_(probs.t().to(acc), h.to(acc))  # [V, H]
+        ctx.save_for_backward(grad_h if grad_h is not None else torch.empty(0),
+                              grad_w if grad_w is not None else torch.empty(0))
+        ctx.has = (grad_h is not None, grad_w is not None)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = grad_h * grad_out.to(grad_h.dtype) if ctx.has[0] else None
+        gw = (grad_w * grad_out).to(grad_w.dtype) if ctx.has[1] else None
+        return gh, gw, None, None
+
+
+def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                             chunk_size: int = 1024) -> torch.Tensor:
+    """Sum over rows of -log softmax(hidden @ weight.T)[target]. hidden [N, H], weight [V, H],
+    targets [N] -> scalar (float32). Divide by the number of trained tokens of the whole
+    optimizer step (not of the micro-batch) to get the mean the optimizer should see."""
+    if hidden.shape[0] == 0:
+        return hidden.sum() * 0.0 + weight.sum() * 0.0
+    if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
+        with torch.no_grad():  # evaluation: no gradient work at all
+            return sum(((lse := torch.logsumexp(lg := (hidden[s:s + chunk_size] @ weight.t()).to(torch.promote_types(hidden.dtype, torch.float32)), -1))
+                        - lg.gather(1, targets[s:s + chunk_size, None]).squeeze(1)).sum()
+                       for s in range(0, hidden.shape[0], chunk_size))
+    return _LinearCrossEntropySum.apply(hidden, weight, targets, chunk_size)
+
+
+def cross_entropy_sum_reference(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The textbook version on full logits [B, T, V] (what HF computes), summed, for tests and for
+    models whose head is not a plain linear layer."""
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                             labels[:, 1:].reshape(-1), ignore_index=IGNORE, reduction="sum")

@@ -1,0 +1,1 @@
+"""Command-line entry points; `cli/main.py` parses argv."""

@@ -1,0 +1,3 @@
+from retrograd.cli.main import main
+import sys
+sys.exit(main())

@@ -1,0 +1,97 @@
+"""`retrograd` command line: argument parsing only, then a call into the engine.
+
+Errors caused by the user's input (RetrogradError) print one clear message and exit 2, never a
+traceback. A run stopped by SIGINT/SIGTERM saves and exits 128+signal (130 / 143).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from retrograd import __version__
+from retrograd.errors import RetrogradError
+
+TRAIN_HELP = """\
+Run the training job described by a run.toml.
+
+examples:
+  retrograd train examples/quickstart.toml
+  retrograd train run.toml --set training.lr=1e-5 --set training.max_steps=50
+  retrograd train run.toml --resume                      # latest step-*.state, else best.state
+  retrograd train run.toml --resume ckpt/step-000000000100.state
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="retrograd", description="Post-training for language models, driven by one TOML file.")
+    p.add_argument("--version", action="version", version=f"retrograd {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    t = sub.add_parser("train", help="run a training job from a TOML file", description=TRAIN_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("config", help="path to the run.toml")
+    t.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
+                   help="continue exactly where a run stopped: without PATH the latest step-*.state in "
+                        "[checkpoint].directory (else best.state), or the given .state folder")
+    t.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE", dest="overrides",
+                   help="override a config key, e.g. --set training.lr=1e-5 (repeatable; the value is "
+                        "read as TOML, a bare word as a string)")
+    t.add_argument("--model", metavar="PATH", help="override [model].path (HF folder, .gguf, or built-in alias)")
+    t.add_argument("--device", choices=("auto", "cpu", "cuda"), help="override [model].device")
+    t.add_argument("--threads", type=int, metavar="N", help="override [training].threads (torch CPU threads)")
+
+    s = sub.add_parser("config-schema", help="print the JSON Schema of run.toml (for editor completion)")
+    s.add_argument("--out", metavar="FILE", help="write to FILE instead of stdout")
+    return p
+
+
+def _train(args) -> int:
+    from retrograd.config import load_config
+    from retrograd.train.sft import train_sft
+    overrides = list(args.overrides)
+    if args.model:
+        overrides.append(f"model.path={json.dumps(args.model)}")
+    if args.device:
+        overrides.append(f"model.device={json.dumps(args.device)}")
+    if args.threads:
+        overrides.append(f"training.threads={args.threads}")
+    cfg = load_config(args.config, overrides)
+    result = train_sft(cfg, resume=args.resume)
+    return result.exit_code
+
+
+def _config_schema(args) -> int:
+    from retrograd.config.load import json_schema
+    text = json.dumps(json_schema(), indent=2)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        if args.command == "train":
+            return _train(args)
+        if args.command == "config-schema":
+            return _config_schema(args)
+    except RetrogradError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,297 @@
+"""Load run.toml: parse, apply --set overrides, validate strictly, resolve paths, fingerprint.
+
+Errors name the file and line (malformed TOML), the key (unknown, wrong type, out of range) and a
+close valid key. Relative paths resolve against the TOML's folder. The result is frozen.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from retrograd.config import schema
+from retrograd.config.schema import RunConfig
+from retrograd.errors import ConfigError
+
+
+def _closest(name: str, candidates) -> str:
+    match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.5)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _parse_toml(path: Path) -> dict:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config path is a folder, not a TOML file: {path}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        # tomllib says "... (at line L, column C)"; put the location first, as compilers do
+        msg = str(e)
+        m = re.search(r"\(at line (\d+), column (\d+)\)", msg)
+        if m:
+            line = int(m.group(1))
+            src = text.splitlines()[line - 1] if 0 < line <= len(text.splitlines()) else ""
+            msg = msg[: m.start()].strip()
+            raise ConfigError(f"{path}:{line}:{m.group(2)}: malformed TOML: {msg}\n    {src}") from None
+        raise ConfigError(f"{path}: malformed TOML: {msg}") from None
+
+
+def parse_override(expr: str) -> tuple[list[str], Any]:
+    """`training.lr=1e-5` -> (["training", "lr"], 1e-5). The value is read as a TOML value; a bare
+    word that is not valid TOML (e.g. `cosine`, a path) is taken as a string."""
+    if "=" not in expr:
+        raise ConfigError(f"--set {expr!r}: expected KEY=VALUE, e.g. --set training.lr=1e-5")
+    key, raw = expr.split("=", 1)
+    parts = [p for p in key.strip().split(".")]
+    if len(parts) < 2 or not all(parts):
+        raise ConfigError(f"--set {expr!r}: the key must be TABLE.KEY, e.g. training.lr")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return parts, value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for expr in overrides or []:
+        parts, value = parse_override(expr)
+        node = data
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {expr!r}: '{p}' is a value, not a table")
+        node[parts[-1]] = value
+    return data
+
+
+def _type_name(tp) -> str:
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+            list: "a list", dict: "a table"}.get(tp, str(tp))
+
+
+def _check_value(where: str, value: Any, tp, meta: dict) -> Any:
+    """Check one value against its declared type and range; return it normalised."""
+    if get_origin(tp) is Union:  # Optional[X]
+        tp = [a for a in get_args(tp) if a is not type(None)][0]
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+        list: isinstance(value, list),
+        dict: isinstance(value, dict),
+    }.get(tp, True)
+    if not ok:
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+    if tp is float:
+        value = float(value)
+    if tp is list and where.endswith("lora.targets"):
+        if not value or not all(isinstance(v, str) and v for v in value):
+            raise ConfigError(f"{where}: expected a non-empty list of module names, got {value!r}")
+    if meta["choices"] and value not in meta["choices"]:
+        raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, meta['choices']))}"
+                          + (_closest(str(value), meta["choices"]) if isinstance(value, str) else ""))
+    lo, hi = meta["min"], meta["max"]
+    if lo is not None and (value < lo or (meta["min_exclusive"] and value == lo)):
+        raise ConfigError(f"{where}: {value!r} is out of range (must be {'>' if meta['min_exclusive'] else '>='} {lo})")
+    if hi is not None and (value > hi or (meta["max_exclusive"] and value == hi)):
+        raise ConfigError(f"{where}: {value!r} is out of range (must be {'<' if meta['max_exclusive'] else '<='} {hi})")
+    return value
+
+
+def _resolve_path(value: str, base: Path) -> str:
+    if value.startswith("builtin:"):
+        return value
+    p = Path(os.path.expanduser(value))
+    return str(p if p.is_absolute() else (base / p).resolve())
+
+
+def _build_table(name: str, cls, raw: Any, src: Path, base: Path):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{src}: [{name}] must be a table, got {raw!r}")
+    hints = get_type_hints(cls)
+    known = schema.table_fields(cls)
+    for key in raw:
+        if key not in known:
+            hint = schema.FOREIGN_KEYS.get(f"{name}.{key}")
+            if hint:
+                raise ConfigError(f"{src}: {name}.{key}: {hint}")
+            raise ConfigError(f"{src}: unknown key '{key}' in [{name}]{_closest(key, known)}; "
+                              f"valid keys: {', '.join(known)}")
+    values = {}
+    for key, f in known.items():
+        meta = f.metadata
+        if key not in raw:
+            if meta["required"]:
+                raise ConfigError(f"{src}: [{name}] is missing the required key '{key}' ({meta['help']})")
+            continue
+        v = _check_value(f"{src}: {name}.{key}", raw[key], hints[key], meta)
+        if meta["path"] and v is not None:
+            v = _resolve_path(v, base)
+        values[key] = v
+    return cls(**values)
+
+
+def load_config(path: Union[str, Path], overrides: Optional[list[str]] = None) -> RunConfig:
+    src = Path(path).resolve() if Path(path).exists() else Path(path)
+    data = apply_overrides(_parse_toml(src), overrides or [])
+    base = src.parent
+    for name in data:
+        if name not in schema.TABLES and name not in schema.ALGORITHM_TABLES:
+            raise ConfigError(f"{src}: unknown table [{name}]{_closest(name, schema.TABLES)}; "
+                              f"valid tables: {', '.join(schema.TABLES)}")
+    for required in ("run", "model", "output"):
+        if required not in data:
+            raise ConfigError(f"{src}: missing table [{required}]")
+    run = _build_table("run", schema.RunTable, data["run"], src, base)
+    algo = run.algorithm
+    if algo not in schema.SUPPORTED_ALGORITHMS:
+        raise ConfigError(f"{src}: run.algorithm = {algo!r} is not available in this version of "
+                          f"retrograd; supported: {', '.join(schema.SUPPORTED_ALGORITHMS)}")
+    for table, owner in schema.ALGORITHM_TABLES.items():
+        if table in data and owner != algo:
+            raise ConfigError(f"{src}: table [{table}] does not apply to run.algorithm = {algo!r}; "
+                              f"remove it or set algorithm = {owner!r}")
+    if algo not in data:
+        raise ConfigError(f"{src}: run.algorithm = {algo!r} needs a [{algo}] table (at least its 'data' key)")
+
+    tables = {"run": run}
+    for name, cls in schema.TABLES.items():
+        if name != "run" and name in data:
+            tables[name] = _build_table(name, cls, data[name], src, base)
+    tables.setdefault("training", schema.TrainingTable())
+    if tables["training"].trainable == "lora" and "lora" not in tables:
+        tables["lora"] = schema.LoraTable()  # no [lora] table means LoRA with defaults, as in retrograd-rs
+    tables.setdefault("metrics", schema.MetricsTable())
+    cfg = RunConfig(**tables, source=str(src))
+    _cross_checks(cfg, src)
+    if cfg.model.path and not cfg.model.path.startswith("builtin:"):
+        # a model path that exists relative to the TOML resolves there; otherwise it stays an alias
+        candidate = (base / os.path.expanduser(cfg.model.path))
+        if candidate.exists():
+            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(candidate.resolve())))
+    name = cfg.run.name or src.stem
+    directory = cfg.run.directory or str((base / "runs" / name).resolve())
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=name, directory=directory))
+
+
+def _cross_checks(cfg: RunConfig, src: Path) -> None:
+    tr = cfg.training
+    if tr.trainable == "full" and cfg.lora is not None:
+        raise ConfigError(f"{src}: [lora] does not apply to training.trainable = 'full'; remove the table "
+                          "or set trainable = 'lora'")
+    out = cfg.output
+    if out.kind == "adapter" or out.path.endswith(".gguf"):
+        raise ConfigError(f"{src}: output.path {out.path!r}: GGUF outputs are not available in this version "
+                          "yet; give a folder path (a PEFT adapter for LoRA, an HF model for full)")
+    if out.kind == "peft" and tr.trainable != "lora":
+        raise ConfigError(f"{src}: output.kind = 'peft' needs training.trainable = 'lora'")
+    if out.kind == "model" and tr.trainable != "full":
+        raise ConfigError(f"{src}: output.kind = 'model' (merged LoRA) is not available yet; "
+                          "use kind = 'peft' for a LoRA run")
+    ck = cfg.checkpoint
+    if ck is not None:
+        if ck.mode in ("steps", "steps_and_best_eval") and ck.every_steps is None:
+            raise ConfigError(f"{src}: checkpoint.mode = {ck.mode!r} needs checkpoint.every_steps")
+        if ck.mode == "best_eval" and ck.every_steps is not None:
+            raise ConfigError(f"{src}: checkpoint.every_steps does not apply to mode = 'best_eval'; "
+                              "use mode = 'steps_and_best_eval' to have both")
+        if ck.mode in ("best_eval", "steps_and_best_eval") and cfg.evaluation is None:
+            raise ConfigError(f"{src}: checkpoint.mode = {ck.mode!r} needs an [evaluation] table")
+    ev = cfg.evaluation
+    if ev is not None and ev.every_steps is not None and ev.every_iterations is not None:
+        raise ConfigError(f"{src}: give evaluation.every_steps or evaluation.every_iterations, not both")
+
+
+def trajectory_settings(cfg: RunConfig) -> dict:
+    """Every setting that changes the trained weights, flattened to 'table.key' -> value.
+
+    Stored in each checkpoint; a resume compares it key by key and names what differs. Data files
+    and the model are compared by content fingerprint elsewhere, not by path.
+    """
+    out = {}
+    for name in schema.TABLES:
+        table = getattr(cfg, name, None)
+        if table is None:
+            continue
+        for f in dataclasses.fields(table):
+            if f.metadata.get("trajectory", True):
+                out[f"{name}.{f.name}"] = getattr(table, f.name)
+    return out
+
+
+def config_as_dict(cfg: RunConfig) -> dict:
+    d = {}
+    for name in schema.TABLES:
+        table = getattr(cfg, name, None)
+        if table is not None:
+            d[name] = {k: v for k, v in dataclasses.asdict(table).items() if v is not None}
+    return d
+
+
+def dump_toml(cfg: RunConfig) -> str:
+    """The resolved config as TOML (written into the run folder)."""
+    lines = [f"# resolved config of {cfg.source}"]
+    for name, table in config_as_dict(cfg).items():
+        lines.append(f"\n[{name}]")
+        for k, v in table.items():
+            lines.append(f"{k} = {_toml_value(v)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{json.dumps(k)} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(v)
+
+
+def json_schema() -> dict:
+    """A JSON Schema of run.toml, for editor completion (`retrograd config-schema`)."""
+    py = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
+    props = {}
+    for name, cls in schema.TABLES.items():
+        hints = get_type_hints(cls)
+        tprops, required = {}, []
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            if get_origin(tp) is Union:
+                tp = [a for a in get_args(tp) if a is not type(None)][0]
+            p = {"type": py.get(tp, "string"), "description": f.metadata["help"]}
+            if f.metadata["choices"]:
+                p["enum"] = list(f.metadata["choices"])
+            if f.metadata["min"] is not None:
+                p["exclusiveMinimum" if f.metadata["min_exclusive"] else "minimum"] = f.metadata["min"]
+            if f.metadata["max"] is not None:
+                p["exclusiveMaximum" if f.metadata["max_exclusive"] else "maximum"] = f.metadata["max"]
+            if f.metadata["required"]:
+                required.append(f.name)
+            tprops[f.name] = p
+        props[name] = {"type": "object", "properties": tprops, "required": required,
+                       "additionalProperties": False}
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "retrograd run.toml",
+            "type": "object", "properties": props, "required": ["run", "model", "output"],
+            "additionalProperties": False}

@@ -1,0 +1,173 @@
+"""The run.toml schema: one frozen dataclass per table, with types, defaults, ranges and help.
+
+Key names follow the public retrograd-rs schema where it has the concept, so its users can bring
+their TOML; `help` strings feed `retrograd config-schema` and error messages.
+This module only declares; validation lives in `config/load.py`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+REQUIRED = object()  # sentinel default: the key must be given
+
+
+def opt(default: Any = None, *, help: str, choices: tuple | None = None, min: float | None = None,
+        max: float | None = None, min_exclusive: bool = False, max_exclusive: bool = False,
+        path: bool = False, trajectory: bool = True):
+    """Declare one key. `trajectory=False` marks keys that never change the trained weights (they
+    are left out of the checkpoint fingerprint, so changing them does not block a resume)."""
+    meta = dict(help=help, choices=choices, min=min, max=max, min_exclusive=min_exclusive,
+                max_exclusive=max_exclusive, path=path, trajectory=trajectory,
+                required=default is REQUIRED)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=None if default is REQUIRED else default, metadata=meta)
+
+
+ALGORITHMS = ("sft", "preference", "ppo", "grpo", "distill", "agent_grpo")
+SUPPORTED_ALGORITHMS = ("sft",)
+
+
+@dataclass(frozen=True)
+class RunTable:
+    algorithm: str = opt(REQUIRED, help="which training algorithm runs", choices=ALGORITHMS)
+    name: Optional[str] = opt(None, help="run name (default: the TOML file's name)", trajectory=False)
+    directory: Optional[str] = opt(None, path=True, trajectory=False,
+                                   help="run folder for metrics.jsonl and the resolved config "
+                                        "(default: runs/<name> beside the TOML)")
+    verbose: bool = opt(False, help="print more detail", trajectory=False)
+
+
+@dataclass(frozen=True)
+class ModelTable:
+    path: str = opt(REQUIRED, help="HF model folder, .gguf file, or built-in alias "
+                                   "(smollm2-135m-instruct)", trajectory=False)
+    device: str = opt("auto", help="auto|cpu|cuda", choices=("auto", "cpu", "cuda", "gpu"),
+                      trajectory=False)
+    dtype: str = opt("float32", help="compute dtype of the base weights",
+                     choices=("float32", "bfloat16", "float16"))
+
+
+@dataclass(frozen=True)
+class OutputTable:
+    path: str = opt(REQUIRED, path=True, trajectory=False,
+                    help="where the final result goes: a PEFT adapter folder (LoRA) or HF model folder (full)")
+    kind: Optional[str] = opt(None, choices=("peft", "model", "adapter"), trajectory=False,
+                              help="peft (LoRA adapter folder) or model (HF folder); default follows trainable")
+
+
+@dataclass(frozen=True)
+class LoraTable:
+    rank: int = opt(8, help="LoRA rank r", min=1, max=4096)
+    alpha: float = opt(16.0, help="LoRA alpha; the update is scaled by alpha/rank", min=0, min_exclusive=True)
+    targets: list = opt(["auto"], help='modules to adapt: ["auto"] (every linear layer of the blocks), '
+                                       'aliases q,k,v,o,ffn_up,ffn_down,ffn_gate, or module names such as q_proj')
+    dropout: float = opt(0.0, help="dropout on the LoRA input", min=0, max=1, max_exclusive=True)
+    seed: int = opt(42, help="seed of the adapter initialisation")
+    dtype: str = opt("f32", choices=("f32", "f16", "bf16"), trajectory=False,
+                     help="storage dtype of the written adapter; training always keeps f32 weights")
+
+
+@dataclass(frozen=True)
+class TrainingTable:
+    trainable: str = opt("lora", choices=("lora", "full"), help="train a LoRA adapter or every weight")
+    optimizer: str = opt("adamw", choices=("adamw", "sgd"), help="adamw (decoupled weight decay) or sgd")
+    lr: float = opt(1e-4, help="peak learning rate", min=0, min_exclusive=True)
+    lr_scheduler: str = opt("constant", choices=("constant", "linear", "cosine"),
+                            help="constant, or linear/cosine decay to 0 at the last step")
+    warmup_steps: int = opt(0, min=0, help="linear warm-up steps from 0 to lr")
+    weight_decay: float = opt(0.0, min=0, max=1, help="decoupled weight decay")
+    max_grad_norm: float = opt(1.0, min=0, help="global L2 gradient clipping; 0 disables it")
+    adam_beta1: float = opt(0.9, min=0, max=1, max_exclusive=True, help="AdamW beta1")
+    adam_beta2: float = opt(0.999, min=0, max=1, max_exclusive=True, help="AdamW beta2")
+    adam_epsilon: float = opt(1e-8, min=0, min_exclusive=True, help="AdamW epsilon")
+    epochs: int = opt(1, min=1, help="passes over the training data")
+    max_steps: Optional[int] = opt(None, min=1, help="stop after this many optimizer steps (overrides epochs)")
+    batch_size: int = opt(4, min=1, help="sequences per micro-batch")
+    gradient_accumulation: int = opt(1, min=1, help="micro-batches per optimizer step")
+    ctx: int = opt(512, min=8, help="maximum sequence length in tokens (longer rows are truncated)")
+    seed: int = opt(42, help="seed of data order, dropout and everything random in the loop")
+    threads: Optional[int] = opt(None, min=1, trajectory=False, help="torch CPU threads (default: all cores)")
+    gradient_checkpointing: bool = opt(False, trajectory=False,
+                                       help="recompute activations in backward to save memory")
+
+
+@dataclass(frozen=True)
+class SftTable:
+    data: str = opt(REQUIRED, path=True, trajectory=False,
+                    help='training data: .jsonl ({"messages": [...]}, prompt/completion or text rows), '
+                         'a .txt file, or builtin:NAME')
+    data_format: str = opt("auto", choices=("auto", "jsonl", "text"),
+                           help="jsonl or text; auto infers it from the extension")
+    shuffle: bool = opt(True, help="shuffle rows each epoch (seeded by training.seed)")
+    assistant_only_loss: bool = opt(True, help="train only on assistant turns / completions")
+    template_variables: dict = opt({}, help="extra variables passed to the chat template")
+
+
+@dataclass(frozen=True)
+class EvaluationTable:
+    data: str = opt(REQUIRED, path=True, trajectory=False, help="held-out data in the training format")
+    every_steps: Optional[int] = opt(None, min=1, help="evaluate every N optimizer steps")
+    every_iterations: Optional[int] = opt(None, min=1, help="evaluate every N epochs (retrograd-rs name)")
+    max_examples: Optional[int] = opt(None, min=1, help="evaluate on at most N rows, evenly spaced")
+    patience: Optional[int] = opt(None, min=1, help="stop after N evaluations without improvement")
+    min_delta: float = opt(0.0, min=0, help="smallest loss decrease that counts as an improvement")
+    batch_size: Optional[int] = opt(None, min=1, trajectory=False,
+                                    help="sequences per evaluation batch (default: training.batch_size)")
+
+
+@dataclass(frozen=True)
+class CheckpointTable:
+    directory: str = opt(REQUIRED, path=True, trajectory=False, help="where .state checkpoints go")
+    mode: str = opt(REQUIRED, choices=("steps", "best_eval", "steps_and_best_eval"), trajectory=False,
+                    help="steps: every every_steps; best_eval: best.state; or both")
+    every_steps: Optional[int] = opt(None, min=1, trajectory=False,
+                                     help="optimizer steps between checkpoints (step modes)")
+    resume_from: Optional[str] = opt(None, path=True, trajectory=False,
+                                     help="checkpoint to resume from (same as --resume PATH)")
+
+
+@dataclass(frozen=True)
+class MetricsTable:
+    tensorboard_dir: Optional[str] = opt(None, path=True, trajectory=False,
+                                         help="write TensorBoard event files in one subfolder per run")
+    log_every: int = opt(1, min=1, trajectory=False, help="print a progress line every N steps")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The whole validated config. `source` is the TOML path; paths inside are already absolute."""
+    run: RunTable
+    model: ModelTable
+    output: OutputTable
+    training: TrainingTable
+    lora: Optional[LoraTable] = None
+    sft: Optional[SftTable] = None
+    evaluation: Optional[EvaluationTable] = None
+    checkpoint: Optional[CheckpointTable] = None
+    metrics: MetricsTable = field(default_factory=MetricsTable)
+    source: str = ""
+
+
+# table name -> dataclass; the order is the order of the docs and the JSON schema
+TABLES: dict[str, type] = {
+    "run": RunTable, "model": ModelTable, "output": OutputTable, "lora": LoraTable,
+    "training": TrainingTable, "sft": SftTable, "evaluation": EvaluationTable,
+    "checkpoint": CheckpointTable, "metrics": MetricsTable,
+}
+# tables of algorithms this version does not run yet: named so the error can say so
+ALGORITHM_TABLES = {"sft": "sft", "preference": "preference", "ppo": "ppo", "grpo": "grpo",
+                    "distill": "distill", "agent": "agent_grpo"}
+
+# keys that retrograd-rs users bring, with what to write here instead
+FOREIGN_KEYS = {
+    "training.micro_batch": "retrograd-rs counts micro_batch in tokens; here use training.batch_size "
+                            "(sequences per micro-batch) and training.ctx",
+    "lora.init_adapter": "starting from an existing adapter is not available in this version yet",
+    "metrics.wandb_export_dir": "the W&B offline export is not available in this version yet",
+}
+
+
+def table_fields(cls) -> dict:
+    return {f.name: f for f in fields(cls)}

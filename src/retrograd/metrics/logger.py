@@ -1,0 +1,107 @@
+"""Fan metrics out to the terminal, `metrics.jsonl` in the run folder, and TensorBoard.
+
+Terminal: one plain line per logged step (step/total, loss, lr, tokens/s, ETA) when stdout is not
+a TTY, so CI logs stay clean; on a TTY a live bar is redrawn in place and evaluation lines stay
+in the scrollback.
+metrics.jsonl: one JSON object per step, `{"step": N, "time": ..., "train/loss": ...}`. On resume
+the rows after the resumed step (written by the interrupted run after its last checkpoint) are
+dropped, so the file reads as one uninterrupted run. NaN/inf are written as null.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from retrograd.metrics.tensorboard import EventWriter
+
+
+def _fmt_duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+def _clean(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, total_steps: int, *, tensorboard_dir: str | None = None,
+                 run_name: str = "run", log_every: int = 1, resume_step: int = 0, stream=None):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.total = total_steps
+        self.log_every = log_every
+        self.stream = stream or sys.stdout
+        self.tty = self.stream.isatty()
+        self.path = self.run_dir / "metrics.jsonl"
+        self._truncate_after(resume_step)
+        self._jsonl = open(self.path, "a", encoding="utf-8")
+        self._tb = EventWriter(Path(tensorboard_dir) / run_name) if tensorboard_dir else None
+        self._t0 = time.monotonic()
+        self._step0 = resume_step
+        self._bar_open = False
+
+    def _truncate_after(self, step: int) -> None:
+        if not self.path.exists():
+            return
+        if step == 0:
+            self.path.unlink()
+            return
+        keep = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    keep.append(line)
+            except ValueError:
+                continue  # a line cut by a kill mid-write
+        self.path.write_text("".join(k + "\n" for k in keep), encoding="utf-8")
+
+    def log(self, step: int, metrics: dict) -> None:
+        row = {"step": step, "time": round(time.time(), 3), **{k: _clean(v) for k, v in metrics.items()}}
+        self._jsonl.write(json.dumps(row) + "\n")
+        self._jsonl.flush()
+        if self._tb:
+            self._tb.add_scalars(step, {k: v for k, v in metrics.items() if _clean(v) is not None})
+        if "train/loss" in metrics and (step % self.log_every == 0 or step == self.total):
+            self._progress(step, metrics)
+        if "eval/loss" in metrics:
+            self.print(f"eval  step {step}/{self.total}  eval/loss {metrics['eval/loss']:.4f}"
+                       + (f"  (best {metrics['eval/best_loss']:.4f})" if "eval/best_loss" in metrics else ""))
+
+    def _progress(self, step: int, m: dict) -> None:
+        done = step - self._step0
+        elapsed = time.monotonic() - self._t0
+        eta = elapsed / done * (self.total - step) if done > 0 else 0.0
+        text = (f"step {step}/{self.total}  loss {m['train/loss']:.4f}  lr {m.get('optimizer/lr', 0):.2e}  "
+                f"tok/s {m.get('system/tokens_per_second', 0):.0f}  eta {_fmt_duration(eta)}")
+        if self.tty:
+            width = 24
+            filled = int(width * step / max(1, self.total))
+            self.stream.write("\r\x1b[2K[" + "#" * filled + "-" * (width - filled) + "] " + text)
+            self._bar_open = True
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def print(self, text: str) -> None:
+        """A line that stays (not overwritten by the live bar)."""
+        if self._bar_open:
+            self.stream.write("\n")
+            self._bar_open = False
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self._bar_open:
+            self.stream.write("\n")
+            self._bar_open = False
+        self._jsonl.close()
+        if self._tb:
+            self._tb.close()

@@ -1,0 +1,1 @@
+"""Training loops, one per algorithm family, over shared plumbing in common.py."""

@@ -1,0 +1,64 @@
+"""What a training loop puts into a `.state` checkpoint and takes back out on resume.
+
+The file format and atomicity live in `checkpoint/state.py`; this module decides the payload:
+trainable tensors, optimizer state, every RNG, and the loop's progress dict.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from retrograd.checkpoint import state as ckpt
+from retrograd.errors import CheckpointError
+from retrograd.train.common import rng_state, set_rng_state
+
+
+def run_meta(cfg, fingerprints: dict, settings: dict) -> dict:
+    return {"algorithm": cfg.run.algorithm, "fingerprints": fingerprints, "settings": settings}
+
+
+def save_training_state(directory: Path, name: str, model, optimizer, progress: dict, meta: dict) -> Path:
+    def write(folder: Path) -> None:
+        tensors = {n: p.detach().to("cpu").contiguous() for n, p in model.named_parameters() if p.requires_grad}
+        save_file(tensors, str(folder / "weights.safetensors"))
+        torch.save(optimizer.state_dict(), folder / "optimizer.pt")
+        torch.save(rng_state(), folder / "rng.pt")
+        (folder / "progress.json").write_text(json.dumps(progress, indent=1, sort_keys=True))
+
+    return ckpt.save_state(Path(directory), name, write, {**meta, "step": progress["step"]})
+
+
+def check_resumable(path: Path, meta: dict) -> dict:
+    """Verify the checkpoint's files and that it belongs to this run; returns its manifest."""
+    manifest = ckpt.verify_state(path)
+    diffs = ckpt.compare_meta(manifest, meta)
+    if diffs:
+        raise CheckpointError(f"{path} does not match this run, so it cannot be resumed exactly:\n  "
+                              + "\n  ".join(diffs)
+                              + "\nRestore those settings, or start a new run (lora.init_adapter for weights only).")
+    return manifest
+
+
+def load_training_state(path: Path, model, optimizer, device) -> dict:
+    """Restore weights, optimizer and RNGs in place; return the progress dict."""
+    tensors = load_file(str(path / "weights.safetensors"))
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if set(tensors) != set(params):
+        missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
+        raise CheckpointError(f"{path}: its trainable tensors do not match the model "
+                              f"(missing {missing[:3]}, unexpected {extra[:3]})")
+    with torch.no_grad():
+        for n, p in params.items():
+            if tensors[n].shape != p.shape:
+                raise CheckpointError(f"{path}: tensor {n} has shape {tuple(tensors[n].shape)}, "
+                                      f"the model has {tuple(p.shape)}")
+            p.copy_(tensors[n].to(device))
+    try:
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
+        set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{path}: cannot restore the optimizer / RNG state: {e}") from None
+    return json.loads((path / "progress.json").read_text())

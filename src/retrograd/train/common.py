@@ -1,0 +1,150 @@
+"""Step plumbing shared by every training loop: seeding and RNG capture, optimizer, clipping,
+stop signals, memory readings, the run folder, and writing the final result to [output].path.
+
+Loops call these explicitly; nothing here owns the loop.
+"""
+from __future__ import annotations
+
+import os
+import random
+import resource
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from retrograd.config.load import dump_toml
+
+
+def configure_torch(threads: int | None) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+    # bit-exact resume needs deterministic kernels; on CPU this costs nothing measurable
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def pick_device(name: str) -> torch.device:
+    if name in ("cuda", "gpu"):
+        if not torch.cuda.is_available():
+            from retrograd.errors import ConfigError
+            raise ConfigError(f"model.device = {name!r} but torch sees no CUDA device")
+        return torch.device("cuda")
+    if name == "auto" and torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed & 0xFFFFFFFF)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.random.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.random.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def build_optimizer(params: list[torch.nn.Parameter], tr) -> torch.optim.Optimizer:
+    if tr.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=tr.lr, weight_decay=tr.weight_decay)
+    return torch.optim.AdamW(params, lr=tr.lr, betas=(tr.adam_beta1, tr.adam_beta2), eps=tr.adam_epsilon,
+                             weight_decay=tr.weight_decay)
+
+
+def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """Global L2 norm of the gradients (before clipping); clips when max_norm > 0."""
+    grads = [p for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    if max_norm > 0:
+        return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in grads])))
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
+
+
+class StopRequest:
+    """SIGINT / SIGTERM set a flag that the loop checks after each optimizer step, so the run
+    saves a checkpoint and its output and exits cleanly. A second signal stops at once."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, _frame):
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signum
+        name = signal.Signals(signum).name
+        print(f"\n{name} received: finishing this step, then saving and exiting "
+              f"(send it again to stop at once)", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        return False
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signal if self.signal else 0
+
+
+def prepare_run_dir(cfg) -> Path:
+    run_dir = Path(cfg.run.directory)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(dump_toml(cfg), encoding="utf-8")
+    return run_dir
+
+
+def _replace_dir(staging: Path, final: Path) -> None:
+    old = final.with_name(f".replaced-{final.name}")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(staging, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_output(model, tokenizer, cfg) -> Path:
+    """Write the final result: a PEFT adapter folder (LoRA) or an HF model folder (full).
+    Written beside the target and renamed into place, so a kill never leaves half a result."""
+    final = Path(cfg.output.path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = final.with_name(f".staging-{final.name}-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    if cfg.training.trainable == "lora":
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+        dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[cfg.lora.dtype]
+        state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in get_peft_model_state_dict(model).items()}
+        staging.mkdir(parents=True)
+        save_file(state, str(staging / "adapter_model.safetensors"), metadata={"format": "pt"})
+        model.peft_config["default"].save_pretrained(str(staging))
+    else:
+        model.save_pretrained(str(staging), safe_serialization=True)
+    tokenizer.save_pretrained(str(staging))
+    _replace_dir(staging, final)
+    return final

@@ -1,0 +1,120 @@
+"""Tiny random models and data for tests: built from a config here, never downloaded.
+
+The tokenizer is byte-level (256 byte tokens + specials) with a ChatML template, so chat
+rendering, loss masks and saving behave like a real model's, in a few KB.
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+                 " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def make_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    byte_chars = list(bytes_to_unicode().values())
+    vocab = {c: i for i, c in enumerate(byte_chars)}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tk.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>", unk_token="<|endoftext|>")
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def make_model_dir(path: Path, seed: int = 0, hidden: int = 32, layers: int = 2, tie: bool = True) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    tok = make_tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=tie, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+WORDS = "red green blue cat dog sun moon tree fish bird rock star".split()
+
+
+def chat_rows(n: int, seed: int = 0) -> list[dict]:
+    """Learnable conversations: the answer repeats the question's words in reverse order."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        words = rng.sample(WORDS, 3)
+        rows.append({"messages": [{"role": "user", "content": " ".join(words)},
+                                  {"role": "assistant", "content": " ".join(reversed(words))}]})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def write_run(tmp: Path, model_dir: Path, extra: str = "", *, steps: int | None = 8, train_rows: int = 24,
+              eval_rows: int = 8, name: str = "run.toml") -> Path:
+    """A small SFT run.toml in `tmp` (data written beside it)."""
+    write_jsonl(tmp / "train.jsonl", chat_rows(train_rows, seed=1))
+    write_jsonl(tmp / "eval.jsonl", chat_rows(eval_rows, seed=2))
+    text = f"""
+[run]
+algorithm = "sft"
+[model]
+path = "{model_dir}"
+[output]
+path = "out/adapter"
+[lora]
+rank = 4
+alpha = 8
+dropout = 0.1
+[training]
+lr = 0.01
+batch_size = 2
+gradient_accumulation = 2
+ctx = 64
+threads = 1
+{f"max_steps = {steps}" if steps else ""}
+[sft]
+data = "train.jsonl"
+"""
+    cfg = tmp / name
+    cfg.write_text(_merge(text, extra))
+    return cfg
+
+
+def _merge(base: str, extra: str) -> str:
+    """Append `extra` TOML, merging keys into tables that `base` already has."""
+    import re
+    out = base
+    table = None
+    pending: dict[str, list[str]] = {}
+    order = []
+    for line in extra.strip().splitlines():
+        m = re.match(r"^\[(.+)\]$", line.strip())
+        if m:
+            table = m.group(1)
+            if table not in pending:
+                pending[table] = []
+                order.append(table)
+        elif line.strip():
+            pending.setdefault(table, []).append(line)
+    for t in order:
+        header = f"[{t}]\n"
+        if header in out:
+            out = out.replace(header, header + "\n".join(pending[t]) + "\n", 1)
+        else:
+            out += f"\n[{t}]\n" + "\n".join(pending[t]) + "\n"
+    return out
