@@ -96,25 +96,16 @@ data = "train.jsonl"
 
 
 def _merge(base: str, extra: str) -> str:
-    """Append `extra` TOML, merging keys into tables that `base` already has."""
+    """Merge `extra` TOML lines into `base`: keys replace keys of the same table, new tables append."""
     import re
-    out = base
-    table = None
-    pending: dict[str, list[str]] = {}
-    order = []
-    for line in extra.strip().splitlines():
-        m = re.match(r"^\[(.+)\]$", line.strip())
-        if m:
-            table = m.group(1)
-            if table not in pending:
-                pending[table] = []
-                order.append(table)
-        elif line.strip():
-            pending.setdefault(table, []).append(line)
-    for t in order:
-        header = f"[{t}]\n"
-        if header in out:
-            out = out.replace(header, header + "\n".join(pending[t]) + "\n", 1)
-        else:
-            out += f"\n[{t}]\n" + "\n".join(pending[t]) + "\n"
-    return out
+    tables: dict[str, dict[str, str]] = {}
+    for text in (base, extra):
+        table = ""
+        for line in text.strip().splitlines():
+            m = re.match(r"^\[(.+)\]$", line.strip())
+            if m:
+                table = m.group(1)
+                tables.setdefault(table, {})
+            elif "=" in line:
+                tables.setdefault(table, {})[line.split("=", 1)[0].strip()] = line
+    return "".join(f"\n[{t}]\n" + "\n".join(kv.values()) + "\n" for t, kv in tables.items())

@@ -1,0 +1,114 @@
+"""run.toml loading: strict keys with close matches, types, ranges, overrides, paths."""
+from pathlib import Path
+
+import pytest
+
+from retrograd.config.load import load_config, parse_override, trajectory_settings
+from retrograd.errors import ConfigError
+
+BASE = """
+[run]
+algorithm = "sft"
+[model]
+path = "smollm2-135m-instruct"
+[output]
+path = "out/adapter"
+[training]
+lr = 2e-4
+[sft]
+data = "train.jsonl"
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "run.toml"
+    p.write_text(text)
+    return p
+
+
+def error_of(tmp_path, text, overrides=None) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, text), overrides)
+    return str(e.value)
+
+
+def test_valid_config_resolves_paths_and_defaults(tmp_path):
+    cfg = load_config(write(tmp_path, BASE))
+    assert cfg.training.lr == 2e-4
+    assert cfg.training.trainable == "lora" and cfg.lora.rank == 8  # absent [lora] = defaults
+    assert cfg.sft.data == str(tmp_path / "train.jsonl")
+    assert cfg.output.path == str(tmp_path / "out" / "adapter")
+    assert cfg.model.path == "smollm2-135m-instruct"  # an alias stays an alias
+    assert cfg.run.name == "run" and cfg.run.directory == str(tmp_path / "runs" / "run")
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_malformed_toml_names_the_line(tmp_path):
+    msg = error_of(tmp_path, BASE + "\nbroken = = 1\n")
+    assert "run.toml:13:" in msg and "malformed TOML" in msg and "broken = = 1" in msg
+
+
+def test_unknown_key_suggests_the_closest(tmp_path):
+    msg = error_of(tmp_path, BASE.replace("lr = 2e-4", "learning_rat = 2e-4"))
+    assert "unknown key 'learning_rat' in [training]" in msg
+    msg = error_of(tmp_path, BASE.replace("lr = 2e-4", "warmup_step = 3"))
+    assert "did you mean 'warmup_steps'" in msg
+
+
+def test_unknown_table_suggests_the_closest(tmp_path):
+    msg = error_of(tmp_path, BASE + "\n[trainig]\nlr = 1\n")
+    assert "unknown table [trainig]" in msg and "did you mean 'training'" in msg
+
+
+def test_wrong_type_and_range(tmp_path):
+    assert "training.lr: expected a number, got 'fast'" in error_of(tmp_path, BASE.replace("2e-4", '"fast"'))
+    assert "out of range (must be > 0" in error_of(tmp_path, BASE.replace("2e-4", "-1.0"))
+    assert "expected an integer" in error_of(tmp_path, BASE + "\n[lora]\nrank = 2.5\n")
+    msg = error_of(tmp_path, BASE.replace("lr = 2e-4", 'lr_scheduler = "cosin"'))
+    assert "'cosin' is not one of" in msg and "did you mean 'cosine'" in msg
+
+
+def test_required_keys_and_tables(tmp_path):
+    assert "missing the required key 'data'" in error_of(tmp_path, BASE.replace('data = "train.jsonl"', "shuffle = true"))
+    assert "missing table [output]" in error_of(tmp_path, BASE.replace("[output]\npath = \"out/adapter\"", ""))
+
+
+def test_algorithm_tables_must_match(tmp_path):
+    msg = error_of(tmp_path, BASE + '\n[grpo]\nupdates = 3\n')
+    assert "[grpo] does not apply to run.algorithm = 'sft'" in msg
+    assert "not available in this version" in error_of(tmp_path, BASE.replace('"sft"', '"grpo"'))
+
+
+def test_checkpoint_cross_checks(tmp_path):
+    msg = error_of(tmp_path, BASE + '\n[checkpoint]\ndirectory = "c"\nmode = "steps"\n')
+    assert "needs checkpoint.every_steps" in msg
+    msg = error_of(tmp_path, BASE + '\n[checkpoint]\ndirectory = "c"\nmode = "best_eval"\n')
+    assert "needs an [evaluation] table" in msg
+
+
+def test_foreign_retrograd_rs_key_gets_a_hint(tmp_path):
+    assert "batch_size" in error_of(tmp_path, BASE.replace("lr = 2e-4", "micro_batch = 32"))
+
+
+def test_overrides(tmp_path):
+    cfg = load_config(write(tmp_path, BASE), ["training.lr=1e-5", "training.lr_scheduler=cosine",
+                                              "lora.targets=['q', 'v']", "sft.shuffle=false"])
+    assert cfg.training.lr == 1e-5 and cfg.training.lr_scheduler == "cosine"
+    assert cfg.lora.targets == ["q", "v"] and cfg.sft.shuffle is False
+    assert "did you mean 'lr'" in error_of(tmp_path, BASE, ["training.lrr=1"])
+    assert parse_override("a.b=3") == (["a", "b"], 3)
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_override("training.lr")
+
+
+def test_trajectory_settings_leave_out_bookkeeping(tmp_path):
+    a = trajectory_settings(load_config(write(tmp_path, BASE)))
+    b = trajectory_settings(load_config(write(tmp_path, BASE + '\n[metrics]\ntensorboard_dir = "tb"\n'),
+                                        ["training.threads=3", "run.directory=elsewhere"]))
+    assert a == b
+    c = trajectory_settings(load_config(write(tmp_path, BASE), ["training.lr=1e-3"]))
+    assert c["training.lr"] == 1e-3 and a != c

@@ -1,0 +1,92 @@
+"""The SFT loss: hand-computed values, the textbook cross-entropy, and finite differences."""
+import math
+
+import torch
+
+from retrograd.algorithms.sft import (IGNORE, cross_entropy_sum_reference, linear_cross_entropy_sum,
+                                      select_targets)
+
+
+def test_hand_computed_value():
+    # one position, hidden = [1, 0], W rows = [1,0], [0,1], [0,0] -> logits [1, 0, 0]
+    # -log softmax[0] = log(e + 2) - 1
+    h = torch.tensor([[1.0, 0.0]])
+    w = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]])
+    loss = linear_cross_entropy_sum(h, w, torch.tensor([0]))
+    assert math.isclose(float(loss), math.log(math.e + 2) - 1, rel_tol=1e-6)
+    # target 2 instead: -log softmax[2] = log(e + 2)
+    loss2 = linear_cross_entropy_sum(h, w, torch.tensor([2]))
+    assert math.isclose(float(loss2), math.log(math.e + 2), rel_tol=1e-6)
+
+
+def test_gradient_hand_computed():
+    # d loss / d h = sum_v p_v w_v - w_y ; with logits [1,0,0], y=0: p = [e,1,1]/(e+2)
+    h = torch.tensor([[1.0, 0.0]], requires_grad=True)
+    w = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]])
+    linear_cross_entropy_sum(h, w, torch.tensor([0])).backward()
+    z = math.e + 2
+    expected = [math.e / z - 1.0, 1.0 / z]
+    assert torch.allclose(h.grad, torch.tensor([expected]), atol=1e-6)
+
+
+def test_matches_textbook_cross_entropy_and_its_gradients():
+    torch.manual_seed(0)
+    h = torch.randn(10, 6, requires_grad=True)
+    w = torch.randn(13, 6, requires_grad=True)
+    y = torch.randint(0, 13, (10,))
+    ours = linear_cross_entropy_sum(h, w, y, chunk_size=4)
+    gh, gw = torch.autograd.grad(ours, (h, w))
+    ref = torch.nn.functional.cross_entropy(h @ w.t(), y, reduction="sum")
+    rh, rw = torch.autograd.grad(ref, (h, w))
+    assert torch.allclose(ours, ref, atol=1e-5)
+    assert torch.allclose(gh, rh, atol=1e-5)
+    assert torch.allclose(gw, rw, atol=1e-5)
+
+
+def test_finite_differences():
+    torch.manual_seed(1)
+    h = torch.randn(5, 4, dtype=torch.double, requires_grad=True)
+    w = torch.randn(7, 4, dtype=torch.double, requires_grad=True)
+    y = torch.randint(0, 7, (5,))
+    assert torch.autograd.gradcheck(lambda a, b: linear_cross_entropy_sum(a, b, y, chunk_size=2), (h, w))
+
+
+def test_scaled_backward_uses_grad_output():
+    torch.manual_seed(2)
+    h = torch.randn(3, 4, requires_grad=True)
+    w = torch.randn(5, 4)
+    y = torch.tensor([0, 1, 2])
+    (linear_cross_entropy_sum(h, w, y) / 3.0).backward()
+    ref_h = h.detach().clone().requires_grad_()
+    (torch.nn.functional.cross_entropy(ref_h @ w.t(), y, reduction="sum") / 3.0).backward()
+    assert torch.allclose(h.grad, ref_h.grad, atol=1e-6)
+
+
+def test_select_targets_shifts_and_masks():
+    hidden = torch.arange(2 * 4 * 1, dtype=torch.float).reshape(2, 4, 1)  # [B=2, T=4, H=1]
+    labels = torch.tensor([[IGNORE, IGNORE, 5, 6], [IGNORE, 7, IGNORE, IGNORE]])
+    h, y = select_targets(hidden, labels)
+    # label at t is predicted from hidden at t-1
+    assert y.tolist() == [5, 6, 7]
+    assert h.squeeze(1).tolist() == [1.0, 2.0, 4.0]
+
+
+def test_fused_path_equals_full_logits_path_on_a_batch():
+    torch.manual_seed(3)
+    hidden = torch.randn(2, 5, 4)
+    w = torch.randn(9, 4)
+    labels = torch.randint(0, 9, (2, 5))
+    labels[0, :2] = IGNORE
+    h, y = select_targets(hidden, labels)
+    fused = linear_cross_entropy_sum(h, w, y)
+    ref = cross_entropy_sum_reference(hidden @ w.t(), labels)
+    assert torch.allclose(fused, ref, atol=1e-5)
+
+
+def test_no_grad_evaluation_path():
+    torch.manual_seed(4)
+    h, w, y = torch.randn(6, 3), torch.randn(8, 3, requires_grad=True), torch.randint(0, 8, (6,))
+    with torch.no_grad():
+        loss = linear_cross_entropy_sum(h, w, y, chunk_size=4)
+    ref = torch.nn.functional.cross_entropy(h @ w.detach().t(), y, reduction="sum")
+    assert torch.allclose(loss, ref, atol=1e-5)
