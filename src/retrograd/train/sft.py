@@ -18,6 +18,7 @@ from retrograd.algorithms.sft import IGNORE, cross_entropy_sum_reference, linear
 from retrograd.checkpoint import state as ckpt
 from retrograd.checkpoint.fingerprint import fingerprint_path
 from retrograd.config.load import trajectory_settings
+from retrograd.errors import CheckpointError
 from retrograd.data.sampler import epoch_order, evenly_spaced, steps_per_epoch
 from retrograd.data.sft import Example, Renderer, collate, load_examples, resolve_data_path
 from retrograd.metrics import MetricsLogger
@@ -84,6 +85,15 @@ def evaluate(loss_fn: TokenLoss, model, examples: list[Example], batch_size: int
 
 def train_sft(cfg, resume: str | None = None, log=print) -> SftResult:
     tr, sft, ev, ck = cfg.training, cfg.sft, cfg.evaluation, cfg.checkpoint
+    # resolve --resume before the slow model load, so a wrong path fails at once
+    resume_path = resume or (ck.resume_from if ck else None)
+    if resume_path == "latest":
+        if ck is None:
+            raise CheckpointError("--resume needs a [checkpoint] table (its directory is where to look), "
+                                  "or give the checkpoint path: --resume PATH")
+        resume_path = str(ckpt.find_resume(Path(ck.directory)))
+    if resume_path:
+        ckpt.read_manifest(Path(resume_path))
     configure_torch(tr.threads)
     device = pick_device(cfg.model.device)
     seed_everything(tr.seed)
@@ -125,13 +135,6 @@ def train_sft(cfg, resume: str | None = None, log=print) -> SftResult:
 
     # ---- progress (fresh, or restored from a checkpoint) --------------------------------------
     progress = {"step": 0, "epoch": 0, "cursor": 0, "best_eval": None, "stale_evals": 0, "tokens_seen": 0}
-    resume_path = resume or (ck.resume_from if ck else None)
-    if resume_path == "latest":
-        if ck is None:
-            from retrograd.errors import CheckpointError
-            raise CheckpointError("--resume needs a [checkpoint] table (its directory is where to look), "
-                                  "or give the checkpoint path: --resume PATH")
-        resume_path = str(ckpt.find_resume(Path(ck.directory)))
     if resume_path:
         io.check_resumable(Path(resume_path), meta)
         progress = io.load_training_state(Path(resume_path), model, optimizer, device)
