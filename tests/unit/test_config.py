@@ -91,7 +91,8 @@ def test_checkpoint_cross_checks(tmp_path):
 
 
 def test_foreign_retrograd_rs_key_gets_a_hint(tmp_path):
-    assert "batch_size" in error_of(tmp_path, BASE.replace("lr = 2e-4", "micro_batch = 32"))
+    msg = error_of(tmp_path, BASE + '\n[lora]\ninit_adapter = "a.gguf"\n')
+    assert "lora.init_adapter" in msg and "not available in this version" in msg
 
 
 def test_overrides(tmp_path):

@@ -96,3 +96,12 @@ def test_epoch_order_is_a_seeded_permutation():
 def test_builtin_dataset_names():
     with pytest.raises(DataError, match="unknown built-in dataset"):
         builtin_data_path("builtin:nope")
+
+
+def test_split_by_tokens_keeps_whole_rows_within_the_budget():
+    from retrograd.data.sft import Example, split_by_tokens
+    rows = [Example([1] * n, [1] * n, f"x:{i}") for i, n in enumerate([100, 200, 250, 600, 50])]
+    passes = split_by_tokens(rows, 512)
+    assert [[len(e.input_ids) for e in p] for p in passes] == [[100, 200], [250], [600], [50]]
+    assert split_by_tokens(rows, None) == [rows]
+    assert [e for p in passes for e in p] == rows  # nothing lost, order kept

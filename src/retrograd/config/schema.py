@@ -86,6 +86,10 @@ class TrainingTable:
     max_steps: Optional[int] = opt(None, min=1, help="stop after this many optimizer steps (overrides epochs)")
     batch_size: int = opt(4, min=1, help="sequences per micro-batch")
     gradient_accumulation: int = opt(1, min=1, help="micro-batches per optimizer step")
+    micro_batch: Optional[int] = opt(None, min=1,
+                                     help="most tokens (rows x padded length) per forward/backward pass; a "
+                                          "micro-batch is split into passes of whole rows that fit, with the same "
+                                          "update (the main memory knob). Default: 512 on CPU, no split on GPU")
     ctx: int = opt(512, min=8, help="maximum sequence length in tokens (longer rows are truncated)")
     seed: int = opt(42, help="seed of data order, dropout and everything random in the loop")
     threads: Optional[int] = opt(None, min=1, trajectory=False, help="torch CPU threads (default: all cores)")
@@ -162,8 +166,6 @@ ALGORITHM_TABLES = {"sft": "sft", "preference": "preference", "ppo": "ppo", "grp
 
 # keys that retrograd-rs users bring, with what to write here instead
 FOREIGN_KEYS = {
-    "training.micro_batch": "retrograd-rs counts micro_batch in tokens; here use training.batch_size "
-                            "(sequences per micro-batch) and training.ctx",
     "lora.init_adapter": "starting from an existing adapter is not available in this version yet",
     "metrics.wandb_export_dir": "the W&B offline export is not available in this version yet",
 }

@@ -183,3 +183,22 @@ def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
         attention[i, :n] = 1
     padded = bool((attention == 0).any())
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention if padded else None}
+
+
+def split_by_tokens(examples: list[Example], max_tokens: int | None) -> list[list[Example]]:
+    """Split a micro-batch into forward/backward passes of whole rows whose padded size
+    (rows x longest row) stays within `max_tokens` (a row longer than that gets a pass alone).
+    The summed loss, hence the update, is the same; peak activation memory scales with a pass."""
+    if not max_tokens:
+        return [examples]
+    passes, current, width = [], [], 0
+    for e in examples:
+        w = max(width, len(e.input_ids))
+        if current and w * (len(current) + 1) > max_tokens:
+            passes.append(current)
+            current, w = [], len(e.input_ids)
+        current.append(e)
+        width = w
+    if current:
+        passes.append(current)
+    return passes

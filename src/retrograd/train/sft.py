@@ -20,7 +20,7 @@ from retrograd.checkpoint.fingerprint import fingerprint_path
 from retrograd.config.load import trajectory_settings
 from retrograd.errors import CheckpointError
 from retrograd.data.sampler import epoch_order, evenly_spaced, steps_per_epoch
-from retrograd.data.sft import Example, Renderer, collate, load_examples, resolve_data_path
+from retrograd.data.sft import Example, Renderer, collate, load_examples, resolve_data_path, split_by_tokens
 from retrograd.metrics import MetricsLogger
 from retrograd.models.load import load_model
 from retrograd.models.lora import attach_lora
@@ -125,6 +125,7 @@ def train_sft(cfg, resume: str | None = None, log=print) -> SftResult:
     rows_per_step = tr.batch_size * tr.gradient_accumulation
     total_steps = tr.max_steps or tr.epochs * steps_per_epoch(len(train_rows), rows_per_step)
     optimizer = build_optimizer(params, tr)
+    pass_tokens = tr.micro_batch or (512 if device.type == "cpu" else None)
     loss_fn = TokenLoss(model)
     pad_id = tok.pad_token_id
 
@@ -151,6 +152,9 @@ def train_sft(cfg, resume: str | None = None, log=print) -> SftResult:
         io.save_training_state(Path(ck.directory), name, model, optimizer, progress, meta)
 
     stopped_by, last_eval, step = "done", None, progress["step"]
+    if ev is not None and step == 0:
+        # the base model's held-out loss, so every curve starts from where training began
+        metrics.log(0, {"eval/loss": evaluate(loss_fn, model, eval_rows, ev.batch_size or tr.batch_size, pad_id, device)})
     order_epoch, order = -1, []
     with StopRequest() as stop:
         while progress["step"] < total_steps:
@@ -171,12 +175,12 @@ def train_sft(cfg, resume: str | None = None, log=print) -> SftResult:
             n_targets = sum(e.n_targets for e in rows)
             loss_sum, n_tokens = 0.0, 0
             for i in range(0, len(rows), tr.batch_size):
-                batch = _to(collate(rows[i:i + tr.batch_size], pad_id), device)
-                loss = loss_fn(batch)
-                (loss / n_targets).backward()
-                loss_sum += float(loss.detach())
-                n_tokens += int(batch["attention_mask"].sum()) if batch["attention_mask"] is not None \
-                    else batch["input_ids"].numel()
+                for chunk in split_by_tokens(rows[i:i + tr.batch_size], pass_tokens):
+                    batch = _to(collate(chunk, pad_id), device)
+                    loss = loss_fn(batch)
+                    (loss / n_targets).backward()
+                    loss_sum += float(loss.detach())
+                    n_tokens += sum(len(e.input_ids) for e in chunk)
             grad_norm = clip_gradients(params, tr.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

