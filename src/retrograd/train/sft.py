@@ -186,6 +186,9 @@ def train_sft(cfg, resume: str | None = None, log=print) -> SftResult:
             optimizer.zero_grad(set_to_none=True)
             progress["step"] += 1
             progress["tokens_seen"] += n_tokens
+            # the schedule is a pure function of the step; these make the state readable on its own
+            progress["lr_schedule"] = {"kind": tr.lr_scheduler, "peak_lr": tr.lr, "warmup_steps": tr.warmup_steps,
+                                       "total_steps": total_steps, "last_lr": lr}
             step = progress["step"]
             dt = time.perf_counter() - t0
             metrics.log(step, {"train/loss": loss_sum / n_targets, "train/epoch": step * rows_per_step / len(train_rows),
