@@ -142,3 +142,29 @@ def test_corrupt_or_incomplete_checkpoint_is_refused(tmp_path, tiny_model, cli):
     assert proc.returncode == 2 and "is incomplete" in proc.stderr and "Traceback" not in proc.stderr
     proc = cli("train", cfg, "--resume", tmp_path / "nowhere.state")
     assert proc.returncode == 2 and "checkpoint not found" in proc.stderr
+
+
+def test_full_fine_tune_resume_is_bit_exact(tmp_path, tiny_model, cli):
+    def full_run(d):
+        d.mkdir()
+        cfg = write_run(d, tiny_model, EXTRA.replace("[training]", '[training]\ntrainable = "full"'), steps=6)
+        text = cfg.read_text()
+        cfg.write_text(text[:text.index("[lora]")] + text[text.index("[training]"):])
+        return cfg
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    cli.cwd = a
+    cli("train", full_run(a), check=0)
+    cfg = full_run(b)
+    cli.cwd = b
+    cli("train", cfg, env={"RETROGRAD_TEST_CRASH_IN_SAVE": "best.state"})  # dies at its first eval save (step 3)
+    assert (b / "ckpt").exists() and not (b / "ckpt" / "best.state").exists()
+    # nothing complete to resume from yet except... nothing: the run died before any step checkpoint
+    proc = cli("train", cfg, "--resume")
+    assert proc.returncode == 2 and "no complete checkpoint" in proc.stderr
+    cli("train", cfg, check=0)
+    cli("train", cfg, "--resume", b / "ckpt" / "step-000000000005.state", check=0)
+    wa = load_file(a / "out" / "adapter" / "model.safetensors")
+    wb = load_file(b / "out" / "adapter" / "model.safetensors")
+    assert_bit_identical(wa, wb)
+    assert losses(a / "runs" / "run") == losses(b / "runs" / "run")

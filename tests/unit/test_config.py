@@ -113,3 +113,19 @@ def test_trajectory_settings_leave_out_bookkeeping(tmp_path):
     assert a == b
     c = trajectory_settings(load_config(write(tmp_path, BASE), ["training.lr=1e-3"]))
     assert c["training.lr"] == 1e-3 and a != c
+
+
+def test_gguf_output_and_full_with_lora_are_refused_clearly(tmp_path):
+    assert "GGUF outputs are not available" in error_of(tmp_path, BASE.replace('"out/adapter"', '"out/a.gguf"'))
+    msg = error_of(tmp_path, BASE.replace("lr = 2e-4", 'trainable = "full"') + "\n[lora]\nrank = 4\n")
+    assert "[lora] does not apply to training.trainable = 'full'" in msg
+
+
+def test_json_schema_lists_every_table_and_key():
+    from retrograd.config.load import json_schema
+    s = json_schema()
+    assert set(s["properties"]) == {"run", "model", "output", "lora", "training", "sft", "evaluation",
+                                    "checkpoint", "metrics"}
+    lr = s["properties"]["training"]["properties"]["lr"]
+    assert lr["type"] == "number" and lr["exclusiveMinimum"] == 0
+    assert s["properties"]["sft"]["required"] == ["data"]
