@@ -16,6 +16,7 @@ from tiny import write_run
 STEPS = 10  # 24 rows, 4 rows per step: step 5 ends mid-epoch (row 20 of 24), step 6 starts epoch 2
 EXTRA = """
 [training]
+threads = 2
 lr_scheduler = "linear"
 warmup_steps = 2
 weight_decay = 0.01

@@ -22,8 +22,9 @@ from retrograd.config.load import dump_toml
 def configure_torch(threads: int | None) -> None:
     if threads:
         torch.set_num_threads(threads)
-    # bit-exact resume needs deterministic kernels; on CPU this costs nothing measurable
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    # CPU kernels are deterministic for a fixed thread count, which is what bit-exact resume needs.
+    # torch.use_deterministic_algorithms is deliberately not set: on CPU it steers attention away
+    # from the fused SDPA kernel and cost ~8% of SFT throughput, with no effect on exactness.
 
 
 def pick_device(name: str) -> torch.device:
