@@ -44,7 +44,9 @@ tensorboard_dir = "tb"
     assert train[0]["optimizer/lr"] == pytest.approx(0.005)  # warm-up step 1 of 2
     # checkpoints, best, resolved config, output adapter
     names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
-    assert names == ["best.state", "step-000000000012.state", "step-000000000024.state", "step-000000000036.state"]
+    assert names == ["best.gguf", "best.state", "step-000000000012.gguf", "step-000000000012.state",
+                     "step-000000000024.gguf", "step-000000000024.state", "step-000000000036.gguf",
+                     "step-000000000036.state"]
     for f in ("weights.safetensors", "optimizer.pt", "rng.pt", "progress.json", "manifest.json"):
         assert (tmp_path / "ckpt" / "best.state" / f).exists()
     resolved = (tmp_path / "runs" / "run" / "config.toml").read_text()
@@ -105,3 +107,33 @@ min_delta = 100.0
     proc = cli("train", cfg, check=0)
     assert "early stop at step 3" in proc.stdout
     assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_gguf_adapter_output_and_checkpoint_copies(tmp_path, tiny_model, cli):
+    import gguf
+    import numpy as np
+    from retrograd.export.gguf_lora import permute_rows
+    cfg = write_run(tmp_path, tiny_model, """
+[output]
+path = "out/adapter.gguf"
+[checkpoint]
+directory = "ckpt"
+mode = "steps"
+every_steps = 2
+""", steps=4)
+    cli("train", cfg, check=0)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "step-000000000002.gguf", "step-000000000002.state", "step-000000000004.gguf", "step-000000000004.state"]
+    reader = gguf.GGUFReader(str(tmp_path / "out" / "adapter.gguf"))
+    fields = {f.name: f.contents() for f in reader.fields.values()}
+    assert fields["general.architecture"] == "llama" and fields["general.type"] == "adapter"
+    assert fields["adapter.type"] == "lora" and fields["adapter.lora.alpha"] == 8.0
+    tensors = {t.name: np.array(t.data) for t in reader.tensors}
+    assert len(tensors) == 2 * 7 * 2  # 7 linear layers x 2 blocks, A and B each
+    # the final GGUF equals the last checkpoint's weights, with lora_B of q rows RoPE-permuted
+    from safetensors.torch import load_file
+    w = load_file(tmp_path / "ckpt" / "step-000000000004.state" / "weights.safetensors")
+    b_q = w["base_model.model.model.layers.1.self_attn.q_proj.lora_B.default.weight"].numpy()
+    assert np.array_equal(tensors["blk.1.attn_q.weight.lora_b"], permute_rows(b_q, 4))
+    a_v = w["base_model.model.model.layers.0.self_attn.v_proj.lora_A.default.weight"].numpy()
+    assert np.array_equal(tensors["blk.0.attn_v.weight.lora_a"], a_v)

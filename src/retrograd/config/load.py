@@ -197,14 +197,17 @@ def _cross_checks(cfg: RunConfig, src: Path) -> None:
         raise ConfigError(f"{src}: [lora] does not apply to training.trainable = 'full'; remove the table "
                           "or set trainable = 'lora'")
     out = cfg.output
-    if out.kind == "adapter" or out.path.endswith(".gguf"):
-        raise ConfigError(f"{src}: output.path {out.path!r}: GGUF outputs are not available in this version "
-                          "yet; give a folder path (a PEFT adapter for LoRA, an HF model for full)")
-    if out.kind == "peft" and tr.trainable != "lora":
+    kind = output_kind(cfg)
+    if kind == "adapter" and tr.trainable != "lora":
+        raise ConfigError(f"{src}: output {out.path!r}: a GGUF adapter needs training.trainable = 'lora' "
+                          "(a merged GGUF of a full fine-tune is not available in this version yet)")
+    if kind == "peft" and tr.trainable != "lora":
         raise ConfigError(f"{src}: output.kind = 'peft' needs training.trainable = 'lora'")
-    if out.kind == "model" and tr.trainable != "full":
+    if kind == "model" and tr.trainable != "full":
         raise ConfigError(f"{src}: output.kind = 'model' (merged LoRA) is not available yet; "
-                          "use kind = 'peft' for a LoRA run")
+                          "use kind = 'peft' or 'adapter' for a LoRA run")
+    if kind in ("peft", "model") and out.path.endswith(".gguf"):
+        raise ConfigError(f"{src}: output.kind = {kind!r} writes a folder, but output.path ends in .gguf")
     ck = cfg.checkpoint
     if ck is not None:
         if ck.mode in ("steps", "steps_and_best_eval") and ck.every_steps is None:
@@ -217,6 +220,16 @@ def _cross_checks(cfg: RunConfig, src: Path) -> None:
     ev = cfg.evaluation
     if ev is not None and ev.every_steps is not None and ev.every_iterations is not None:
         raise ConfigError(f"{src}: give evaluation.every_steps or evaluation.every_iterations, not both")
+
+
+def output_kind(cfg: RunConfig) -> str:
+    """adapter (llama.cpp GGUF LoRA), peft (adapter folder) or model (HF folder); when output.kind
+    is not given it follows the path: *.gguf -> adapter, otherwise peft (LoRA) or model (full)."""
+    if cfg.output.kind:
+        return cfg.output.kind
+    if cfg.output.path.endswith(".gguf"):
+        return "adapter"
+    return "peft" if cfg.training.trainable == "lora" else "model"
 
 
 def trajectory_settings(cfg: RunConfig) -> dict:

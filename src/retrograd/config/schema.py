@@ -52,9 +52,11 @@ class ModelTable:
 @dataclass(frozen=True)
 class OutputTable:
     path: str = opt(REQUIRED, path=True, trajectory=False,
-                    help="where the final result goes: a PEFT adapter folder (LoRA) or HF model folder (full)")
+                    help="where the final result goes: a .gguf LoRA adapter for llama.cpp, a PEFT adapter "
+                         "folder (LoRA) or an HF model folder (full)")
     kind: Optional[str] = opt(None, choices=("peft", "model", "adapter"), trajectory=False,
-                              help="peft (LoRA adapter folder) or model (HF folder); default follows trainable")
+                              help="adapter (llama.cpp GGUF LoRA), peft (adapter folder) or model (HF folder); "
+                                   "default follows the path (*.gguf -> adapter) and training.trainable")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from retrograd.config.load import dump_toml
+from retrograd.config.load import dump_toml, output_kind
 
 
 def configure_torch(threads: int | None) -> None:
@@ -130,10 +130,14 @@ def _replace_dir(staging: Path, final: Path) -> None:
 
 
 def save_output(model, tokenizer, cfg) -> Path:
-    """Write the final result: a PEFT adapter folder (LoRA) or an HF model folder (full).
-    Written beside the target and renamed into place, so a kill never leaves half a result."""
+    """Write the final result: a llama.cpp GGUF adapter, a PEFT adapter folder (LoRA) or an HF model
+    folder (full). Written beside the target and renamed into place, so a kill never leaves half a result."""
     final = Path(cfg.output.path)
     final.parent.mkdir(parents=True, exist_ok=True)
+    if output_kind(cfg) == "adapter":
+        from peft import get_peft_model_state_dict
+        from retrograd.export.gguf_lora import write_gguf_lora
+        return write_gguf_lora(final, get_peft_model_state_dict(model), cfg.lora.alpha, model.config, cfg.lora.dtype)
     staging = final.with_name(f".staging-{final.name}-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     if cfg.training.trainable == "lora":

@@ -17,7 +17,8 @@ from retrograd.algorithms.schedule import lr_at
 from retrograd.algorithms.sft import IGNORE, cross_entropy_sum_reference, linear_cross_entropy_sum, select_targets
 from retrograd.checkpoint import state as ckpt
 from retrograd.checkpoint.fingerprint import fingerprint_path
-from retrograd.config.load import trajectory_settings
+from retrograd.config.load import output_kind, trajectory_settings
+from retrograd.export.gguf_lora import ARCHS as GGUF_ARCHS, check_exportable, write_gguf_lora
 from retrograd.errors import CheckpointError
 from retrograd.data.sampler import epoch_order, evenly_spaced, steps_per_epoch
 from retrograd.data.sft import Example, Renderer, collate, load_examples, resolve_data_path, split_by_tokens
@@ -108,6 +109,14 @@ def train_sft(cfg, resume: str | None = None, log=print) -> SftResult:
         lc = cfg.lora
         model, modules = attach_lora(model, lc.rank, lc.alpha, lc.targets, lc.dropout, lc.seed)
         log(f"LoRA r={lc.rank} alpha={lc.alpha} on {', '.join(modules)}")
+    gguf_copies = False
+    if tr.trainable == "lora":
+        if output_kind(cfg) == "adapter":
+            check_exportable(model.config, cfg.lora.targets)  # refuse now, not after training
+        gguf_copies = ck is not None and model.config.model_type in GGUF_ARCHS
+        if ck is not None and not gguf_copies:
+            log(f"note: no .gguf copies beside checkpoints: llama.cpp adapters are written for "
+                f"{', '.join(GGUF_ARCHS)} models, not {model.config.model_type!r}")
     if tr.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.to(device).train()
@@ -153,6 +162,10 @@ def train_sft(cfg, resume: str | None = None, log=print) -> SftResult:
 
     def save(name: str) -> None:
         io.save_training_state(Path(ck.directory), name, model, optimizer, progress, meta)
+        if gguf_copies:  # a llama.cpp-loadable copy of the adapter beside each LoRA checkpoint
+            from peft import get_peft_model_state_dict
+            write_gguf_lora(Path(ck.directory) / name.replace(".state", ".gguf"), get_peft_model_state_dict(model),
+                            cfg.lora.alpha, model.config, cfg.lora.dtype)
 
     stopped_by, last_eval, step = "done", None, progress["step"]
     if ev is not None and step == 0:

@@ -1,0 +1,1 @@
+"""Exporters: llama.cpp GGUF LoRA adapters (more formats come with the interop work)."""
