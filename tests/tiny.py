@@ -6,7 +6,10 @@ rendering, loss masks and saving behave like a real model's, in a few KB.
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
@@ -109,3 +112,18 @@ def _merge(base: str, extra: str) -> str:
             elif "=" in line:
                 tables.setdefault(table, {})[line.split("=", 1)[0].strip()] = line
     return "".join(f"\n[{t}]\n" + "\n".join(kv.values()) + "\n" for t, kv in tables.items())
+
+
+class CLI:
+    """Runs `python -m retrograd ...` in a folder, the way a user runs the command."""
+
+    def __init__(self, cwd: Path):
+        self.cwd = cwd
+
+    def __call__(self, *args, env=None, check=None, timeout=300):
+        full_env = {**os.environ, **(env or {})}
+        proc = subprocess.run([sys.executable, "-m", "retrograd", *map(str, args)], cwd=self.cwd, env=full_env,
+                              capture_output=True, text=True, timeout=timeout)
+        if check is not None:
+            assert proc.returncode == check, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+        return proc

@@ -58,3 +58,11 @@ def test_help_documents_every_flag(cli):
     assert proc.returncode == 0
     for flag in ("--resume", "--set", "--model", "--device", "--threads"):
         assert flag in proc.stdout
+
+
+def test_a_fresh_run_never_overwrites_earlier_checkpoints(tmp_path, tiny_model, cli):
+    cfg = write_run(tmp_path, tiny_model, '[checkpoint]\ndirectory = "ckpt"\nmode = "steps"\nevery_steps = 2', steps=2)
+    cli("train", cfg, check=0)
+    before = (tmp_path / "ckpt" / "step-000000000002.state" / "manifest.json").read_bytes()
+    fails(cli, "train", cfg, expect=["already holds checkpoints of an earlier run", "--resume"])
+    assert (tmp_path / "ckpt" / "step-000000000002.state" / "manifest.json").read_bytes() == before

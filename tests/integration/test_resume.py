@@ -47,7 +47,7 @@ def assert_bit_identical(a, b):
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, tiny_model):
-    from conftest import CLI
+    from tiny import CLI
     d = tmp_path_factory.mktemp("straight")
     CLI(d)("train", write_run(d, tiny_model, EXTRA, steps=STEPS), check=0)
     return d
@@ -101,7 +101,7 @@ def test_sigterm_saves_and_resume_continues_exactly(tmp_path, tiny_model, cli):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "SIGTERM received" in err
-    saved = [p.name for p in (d / "ckpt").iterdir() if p.name.startswith("step-")]
+    saved = [p.name for p in (d / "ckpt").iterdir() if p.name.endswith(".state")]
     assert len(saved) == 1, saved
     stop_step = int(saved[0][5:17])
     assert 3 <= stop_step < 200

@@ -137,3 +137,20 @@ every_steps = 2
     assert np.array_equal(tensors["blk.1.attn_q.weight.lora_b"], permute_rows(b_q, 4))
     a_v = w["base_model.model.model.layers.0.self_attn.v_proj.lora_A.default.weight"].numpy()
     assert np.array_equal(tensors["blk.0.attn_v.weight.lora_a"], a_v)
+
+
+def test_merged_model_output_equals_base_plus_adapter(tmp_path, tiny_model, cli):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, extra in ((a, ""), (b, '[output]\nkind = "model"')):
+        d.mkdir()
+        cli.cwd = d
+        cli("train", write_run(d, tiny_model, extra, steps=3), check=0)
+    merged = AutoModelForCausalLM.from_pretrained(b / "out" / "adapter")
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), a / "out" / "adapter")
+    x = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        assert torch.allclose(merged(x).logits, peft(x).logits, atol=1e-5)
+    assert (b / "out" / "adapter" / "tokenizer.json").exists()

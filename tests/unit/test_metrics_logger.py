@@ -46,3 +46,12 @@ def test_resume_drops_rows_after_the_checkpoint_and_nan_becomes_null(tmp_path):
     m.close()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and rows[1]["train/loss"] is None
+
+
+def test_a_fresh_run_keeps_the_earlier_metrics_file(tmp_path):
+    m = MetricsLogger(tmp_path, 1, stream=io.StringIO())
+    m.log(1, {"train/loss": 3.0})
+    m.close()
+    MetricsLogger(tmp_path, 1, stream=io.StringIO()).close()
+    kept = list(tmp_path.glob("metrics-*.jsonl"))
+    assert len(kept) == 1 and json.loads(kept[0].read_text())["train/loss"] == 3.0

@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", choices=("auto", "cpu", "cuda"), help="override [model].device")
     t.add_argument("--threads", type=int, metavar="N", help="override [training].threads (torch CPU threads)")
 
+    i = sub.add_parser("inspect", help="describe a model: architecture, sizes, dtype, suggested LoRA targets")
+    i.add_argument("--model", required=True, metavar="PATH", help="HF folder, .gguf file, or built-in alias")
+    i.add_argument("--json", action="store_true", help="print JSON instead of text")
+
     s = sub.add_parser("config-schema", help="print the JSON Schema of run.toml (for editor completion)")
     s.add_argument("--out", metavar="FILE", help="write to FILE instead of stdout")
     return p
@@ -60,6 +64,15 @@ def _train(args) -> int:
     cfg = load_config(args.config, overrides)
     result = train_sft(cfg, resume=args.resume)
     return result.exit_code
+
+
+def _inspect(args) -> int:
+    from retrograd.models.describe import describe, format_description
+    from retrograd.models.load import load_model
+    loaded = load_model(args.model, log=lambda msg: print(msg, file=sys.stderr))
+    d = describe(loaded)
+    print(json.dumps(d, indent=2) if args.json else format_description(d))
+    return 0
 
 
 def _config_schema(args) -> int:
@@ -82,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "inspect":
+            return _inspect(args)
         if args.command == "config-schema":
             return _config_schema(args)
     except RetrogradError as e:

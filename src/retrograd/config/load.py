@@ -203,9 +203,6 @@ def _cross_checks(cfg: RunConfig, src: Path) -> None:
                           "(a merged GGUF of a full fine-tune is not available in this version yet)")
     if kind == "peft" and tr.trainable != "lora":
         raise ConfigError(f"{src}: output.kind = 'peft' needs training.trainable = 'lora'")
-    if kind == "model" and tr.trainable != "full":
-        raise ConfigError(f"{src}: output.kind = 'model' (merged LoRA) is not available yet; "
-                          "use kind = 'peft' or 'adapter' for a LoRA run")
     if kind in ("peft", "model") and out.path.endswith(".gguf"):
         raise ConfigError(f"{src}: output.kind = {kind!r} writes a folder, but output.path ends in .gguf")
     ck = cfg.checkpoint
@@ -223,7 +220,8 @@ def _cross_checks(cfg: RunConfig, src: Path) -> None:
 
 
 def output_kind(cfg: RunConfig) -> str:
-    """adapter (llama.cpp GGUF LoRA), peft (adapter folder) or model (HF folder); when output.kind
+    """adapter (llama.cpp GGUF LoRA), peft (adapter folder) or model (HF folder; a LoRA is merged in);
+    when output.kind
     is not given it follows the path: *.gguf -> adapter, otherwise peft (LoRA) or model (full)."""
     if cfg.output.kind:
         return cfg.output.kind

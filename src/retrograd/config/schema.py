@@ -55,7 +55,7 @@ class OutputTable:
                     help="where the final result goes: a .gguf LoRA adapter for llama.cpp, a PEFT adapter "
                          "folder (LoRA) or an HF model folder (full)")
     kind: Optional[str] = opt(None, choices=("peft", "model", "adapter"), trajectory=False,
-                              help="adapter (llama.cpp GGUF LoRA), peft (adapter folder) or model (HF folder); "
+                              help="adapter (llama.cpp GGUF LoRA), peft (adapter folder) or model (HF folder, a LoRA merged in); "
                                    "default follows the path (*.gguf -> adapter) and training.trainable")
 
 

@@ -5,7 +5,8 @@ a TTY, so CI logs stay clean; on a TTY a live bar is redrawn in place and evalua
 in the scrollback.
 metrics.jsonl: one JSON object per step, `{"step": N, "time": ..., "train/loss": ...}`. On resume
 the rows after the resumed step (written by the interrupted run after its last checkpoint) are
-dropped, so the file reads as one uninterrupted run. NaN/inf are written as null.
+dropped, so the file reads as one uninterrupted run; a fresh run moves an earlier file aside to
+metrics-<time>.jsonl. NaN/inf are written as null.
 """
 from __future__ import annotations
 
@@ -51,8 +52,9 @@ class MetricsLogger:
     def _truncate_after(self, step: int) -> None:
         if not self.path.exists():
             return
-        if step == 0:
-            self.path.unlink()
+        if step == 0:  # a fresh run: keep the earlier run's file rather than overwrite it
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self.path.stat().st_mtime))
+            self.path.rename(self.path.with_name(f"metrics-{stamp}.jsonl"))
             return
         keep = []
         for line in self.path.read_text(encoding="utf-8").splitlines():

@@ -140,7 +140,11 @@ def save_output(model, tokenizer, cfg) -> Path:
         return write_gguf_lora(final, get_peft_model_state_dict(model), cfg.lora.alpha, model.config, cfg.lora.dtype)
     staging = final.with_name(f".staging-{final.name}-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    if cfg.training.trainable == "lora":
+    if output_kind(cfg) == "model" and cfg.training.trainable == "lora":
+        # a standalone HF model with the adapter merged into the weights (the run is over, so the
+        # live model can be merged in place)
+        model.merge_and_unload().save_pretrained(str(staging), safe_serialization=True)
+    elif cfg.training.trainable == "lora":
         from peft import get_peft_model_state_dict
         from safetensors.torch import save_file
         dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[cfg.lora.dtype]

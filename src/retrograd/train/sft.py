@@ -98,6 +98,9 @@ def train_sft(cfg, resume: str | None = None, log=print) -> SftResult:
         resume_path = str(ckpt.find_resume(Path(ck.directory)))
     if resume_path:
         ckpt.read_manifest(Path(resume_path))
+    elif ck is not None and (ckpt.list_steps(Path(ck.directory)) or (Path(ck.directory) / "best.state").exists()):
+        raise CheckpointError(f"{ck.directory} already holds checkpoints of an earlier run; continue it with "
+                              "--resume, or move that folder away (or set checkpoint.directory) to start afresh")
     configure_torch(tr.threads)
     device = pick_device(cfg.model.device)
     seed_everything(tr.seed)
