@@ -42,6 +42,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", choices=("auto", "cpu", "cuda"), help="override [model].device")
     t.add_argument("--threads", type=int, metavar="N", help="override [training].threads (torch CPU threads)")
 
+    e = sub.add_parser("export", help="write a checkpoint as a llama.cpp adapter, PEFT folder or HF model",
+                       description="Rebuild the model a .state checkpoint was trained on and write it out.")
+    e.add_argument("checkpoint", help="a step-*.state or best.state folder")
+    e.add_argument("--format", required=True, choices=("gguf", "peft", "hf"),
+                   help="gguf: llama.cpp LoRA adapter; peft: PEFT adapter folder; hf: HF model folder "
+                        "(LoRA merged into the weights, or the full fine-tune)")
+    e.add_argument("--out", required=True, metavar="PATH", help="the file (gguf) or folder to write")
+    e.add_argument("--dtype", default="f32", choices=("f32", "f16", "bf16"),
+                   help="tensor dtype of an adapter (gguf: f32 or f16)")
+    e.add_argument("--force", action="store_true", help="replace PATH if it exists")
+
     i = sub.add_parser("inspect", help="describe a model: architecture, sizes, dtype, suggested LoRA targets")
     i.add_argument("--model", required=True, metavar="PATH", help="HF folder, .gguf file, or built-in alias")
     i.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -64,6 +75,14 @@ def _train(args) -> int:
     cfg = load_config(args.config, overrides)
     result = train_sft(cfg, resume=args.resume)
     return result.exit_code
+
+
+def _export(args) -> int:
+    from retrograd.export.from_checkpoint import export_checkpoint
+    out = export_checkpoint(args.checkpoint, args.format, args.out, args.dtype, args.force,
+                            log=lambda msg: print(msg, file=sys.stderr))
+    print(f"wrote {out}")
+    return 0
 
 
 def _inspect(args) -> int:
@@ -95,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "export":
+            return _export(args)
         if args.command == "inspect":
             return _inspect(args)
         if args.command == "config-schema":

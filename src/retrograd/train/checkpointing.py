@@ -16,8 +16,13 @@ from retrograd.errors import CheckpointError
 from retrograd.train.common import rng_state, set_rng_state
 
 
-def run_meta(cfg, fingerprints: dict, settings: dict) -> dict:
-    return {"algorithm": cfg.run.algorithm, "fingerprints": fingerprints, "settings": settings}
+def run_meta(cfg, fingerprints: dict, settings: dict, lora_modules: list[str] | None = None) -> dict:
+    """What a manifest records about the run. `base` is what `retrograd export` needs to rebuild the
+    model around the saved tensors; only algorithm, fingerprints and settings gate a resume."""
+    base = {"model": cfg.model.path, "dtype": cfg.model.dtype, "trainable": cfg.training.trainable}
+    if cfg.training.trainable == "lora":
+        base["lora"] = {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "modules": lora_modules, "dtype": cfg.lora.dtype}
+    return {"algorithm": cfg.run.algorithm, "fingerprints": fingerprints, "settings": settings, "base": base}
 
 
 def save_training_state(directory: Path, name: str, model, optimizer, progress: dict, meta: dict) -> Path:

@@ -108,12 +108,11 @@ def train_sft(cfg, resume: str | None = None, log=print) -> SftResult:
     # ---- model, data, optimizer -------------------------------------------------------------
     loaded = load_model(cfg.model.path, cfg.model.dtype, log=log)
     model, tok = loaded.model, loaded.tokenizer
+    gguf_copies = False
     if tr.trainable == "lora":
         lc = cfg.lora
         model, modules = attach_lora(model, lc.rank, lc.alpha, lc.targets, lc.dropout, lc.seed)
         log(f"LoRA r={lc.rank} alpha={lc.alpha} on {', '.join(modules)}")
-    gguf_copies = False
-    if tr.trainable == "lora":
         if output_kind(cfg) == "adapter":
             check_exportable(model.config, cfg.lora.targets)  # refuse now, not after training
         gguf_copies = ck is not None and model.config.model_type in GGUF_ARCHS
@@ -147,7 +146,7 @@ def train_sft(cfg, resume: str | None = None, log=print) -> SftResult:
     fingerprints = {"model": loaded.fingerprint, "data": fingerprint_path(resolve_data_path(sft.data))}
     if ev is not None:
         fingerprints["eval_data"] = fingerprint_path(resolve_data_path(ev.data))
-    meta = io.run_meta(cfg, fingerprints, trajectory_settings(cfg))
+    meta = io.run_meta(cfg, fingerprints, trajectory_settings(cfg), modules if tr.trainable == "lora" else None)
 
     # ---- progress (fresh, or restored from a checkpoint) --------------------------------------
     progress = {"step": 0, "epoch": 0, "cursor": 0, "best_eval": None, "stale_evals": 0, "tokens_seen": 0}
