@@ -175,6 +175,12 @@ def load_config(path: Union[str, Path], overrides: Optional[list[str]] = None) -
     for name, cls in schema.TABLES.items():
         if name != "run" and name in data:
             tables[name] = _build_table(name, cls, data[name], src, base)
+    lora_raw = data.get("lora", {})
+    if isinstance(lora_raw, dict) and lora_raw.get("init_adapter"):
+        clash = [k for k in ("rank", "alpha", "targets", "seed") if k in lora_raw]
+        if clash:
+            raise ConfigError(f"{src}: lora.{clash[0]} cannot be set together with lora.init_adapter: rank, alpha "
+                              "and targets are read from the adapter (and it needs no init seed)")
     tables.setdefault("training", schema.TrainingTable())
     if tables["training"].trainable == "lora" and "lora" not in tables:
         tables["lora"] = schema.LoraTable()  # no [lora] table means LoRA with defaults, as in retrograd-rs

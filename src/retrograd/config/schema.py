@@ -69,6 +69,9 @@ class LoraTable:
     seed: int = opt(42, help="seed of the adapter initialisation")
     dtype: str = opt("f32", choices=("f32", "f16", "bf16"), trajectory=False,
                      help="storage dtype of the written adapter; training always keeps f32 weights")
+    init_adapter: Optional[str] = opt(None, path=True, trajectory=False,
+                                      help="start from an existing adapter (PEFT folder or llama.cpp .gguf), "
+                                           "weights only; rank, alpha and targets are read from it")
 
 
 @dataclass(frozen=True)
@@ -168,7 +171,6 @@ ALGORITHM_TABLES = {"sft": "sft", "preference": "preference", "ppo": "ppo", "grp
 
 # keys that retrograd-rs users bring, with what to write here instead
 FOREIGN_KEYS = {
-    "lora.init_adapter": "starting from an existing adapter is not available in this version yet",
     "metrics.wandb_export_dir": "the W&B offline export is not available in this version yet",
 }
 

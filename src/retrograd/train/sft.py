@@ -7,6 +7,7 @@ batch (TRL's and torchtune's convention).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from retrograd.data.sampler import epoch_order, evenly_spaced, steps_per_epoch
 from retrograd.data.sft import Example, Renderer, collate, load_examples, resolve_data_path, split_by_tokens
 from retrograd.metrics import MetricsLogger
 from retrograd.models.load import load_model
+from retrograd.models.adapter_io import apply_adapter, gguf_module_names, read_spec
 from retrograd.models.lora import attach_lora
 from retrograd.train import checkpointing as io
 from retrograd.train.common import (StopRequest, build_optimizer, clip_gradients, configure_torch, peak_rss_mb,
@@ -69,6 +71,18 @@ class TokenLoss:
         return linear_cross_entropy_sum(h, self.head.weight, y, chunk_size=CE_CHUNK_ROWS)
 
 
+def init_adapter_resume_message(adapter: str) -> str:
+    msg = (f"--resume cannot be combined with lora.init_adapter = {adapter!r}: a checkpoint already holds the "
+           "adapter it continues from, while init_adapter starts a new run from an adapter's weights.")
+    try:
+        spec = read_spec(adapter)
+        msg += (f" To resume, replace init_adapter in [lora] by the values it set: rank = {spec.rank}, "
+                f"alpha = {spec.alpha}, and the targets the run logged.")
+    except Exception:  # the advice is optional; the refusal is the point
+        pass
+    return msg
+
+
 def _to(batch: dict, device) -> dict:
     return {k: (v.to(device) if v is not None else None) for k, v in batch.items()}
 
@@ -91,6 +105,8 @@ def train_sft(cfg, resume: str | None = None, log=print) -> SftResult:
     tr, sft, ev, ck = cfg.training, cfg.sft, cfg.evaluation, cfg.checkpoint
     # resolve --resume before the slow model load, so a wrong path fails at once
     resume_path = resume or (ck.resume_from if ck else None)
+    if resume_path and cfg.lora is not None and cfg.lora.init_adapter:
+        raise CheckpointError(init_adapter_resume_message(cfg.lora.init_adapter))
     if resume_path == "latest":
         if ck is None:
             raise CheckpointError("--resume needs a [checkpoint] table (its directory is where to look), "
@@ -111,7 +127,16 @@ def train_sft(cfg, resume: str | None = None, log=print) -> SftResult:
     gguf_copies = False
     if tr.trainable == "lora":
         lc = cfg.lora
+        if lc.init_adapter:
+            # rank, alpha and targets come from the adapter; recorded as the run's settings
+            spec = read_spec(lc.init_adapter)
+            targets = gguf_module_names(model, spec.modules) if lc.init_adapter.endswith(".gguf") else spec.modules
+            lc = dataclasses.replace(lc, rank=spec.rank, alpha=spec.alpha, targets=targets)
+            cfg = dataclasses.replace(cfg, lora=lc)
         model, modules = attach_lora(model, lc.rank, lc.alpha, lc.targets, lc.dropout, lc.seed)
+        if lc.init_adapter:
+            apply_adapter(lc.init_adapter, model)
+            log(f"LoRA initialised from {lc.init_adapter} (weights only, fresh optimizer)")
         log(f"LoRA r={lc.rank} alpha={lc.alpha} on {', '.join(modules)}")
         if output_kind(cfg) == "adapter":
             check_exportable(model.config, cfg.lora.targets)  # refuse now, not after training
