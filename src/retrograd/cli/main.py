@@ -42,6 +42,25 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", choices=("auto", "cpu", "cuda"), help="override [model].device")
     t.add_argument("--threads", type=int, metavar="N", help="override [training].threads (torch CPU threads)")
 
+    ev = sub.add_parser("eval", help="loss and perplexity of the base and the trained model on evaluation data")
+    ev.add_argument("config", help="path to the run.toml")
+    ev.add_argument("--adapter", metavar="PATH", help="a PEFT adapter folder or .gguf adapter (default: [output].path)")
+    ev.add_argument("--checkpoint", metavar="DIR", help="a step-*.state or best.state to evaluate")
+    ev.add_argument("--data", metavar="PATH", help="evaluation data (default: [evaluation].data)")
+    ev.add_argument("--json", action="store_true", help="print JSON")
+
+    ch = sub.add_parser("chat", help="talk to the base and the trained model")
+    ch.add_argument("config", help="path to the run.toml")
+    ch.add_argument("--adapter", metavar="PATH", help="a PEFT adapter folder or .gguf adapter (default: [output].path)")
+    ch.add_argument("--checkpoint", metavar="DIR", help="a step-*.state or best.state")
+    ch.add_argument("--base-only", action="store_true", help="chat with the base model alone")
+    ch.add_argument("--compare", action="store_true", help="answer each message with the base and the trained model")
+    ch.add_argument("--system", metavar="TEXT", help="a system prompt")
+    ch.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="reply length limit (256)")
+    ch.add_argument("--temperature", type=float, default=0.7, metavar="T", help="0 for greedy (0.7)")
+    ch.add_argument("--top-p", type=float, default=0.95, metavar="P", help="nucleus sampling (0.95)")
+    ch.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
+
     e = sub.add_parser("export", help="write a checkpoint as a llama.cpp adapter, PEFT folder or HF model",
                        description="Rebuild the model a .state checkpoint was trained on and write it out.")
     e.add_argument("checkpoint", help="a step-*.state or best.state folder")
@@ -75,6 +94,19 @@ def _train(args) -> int:
     cfg = load_config(args.config, overrides)
     result = train_sft(cfg, resume=args.resume)
     return result.exit_code
+
+
+def _eval(args) -> int:
+    from retrograd.cli.tools import run_eval
+    from retrograd.config import load_config
+    return run_eval(load_config(args.config), args.adapter, args.checkpoint, args.data, args.json)
+
+
+def _chat(args) -> int:
+    from retrograd.cli.tools import run_chat
+    from retrograd.config import load_config
+    return run_chat(load_config(args.config), args.adapter, args.checkpoint, args.base_only, args.compare,
+                    args.system, args.max_new_tokens, args.temperature, args.top_p, args.seed)
 
 
 def _export(args) -> int:
@@ -114,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "eval":
+            return _eval(args)
+        if args.command == "chat":
+            return _chat(args)
         if args.command == "export":
             return _export(args)
         if args.command == "inspect":

@@ -29,26 +29,19 @@ def _check_target(out: Path, force: bool, needed_bytes: int) -> None:
                           f"{free / 1e6:.0f} MB free")
 
 
-def export_checkpoint(checkpoint: str | Path, fmt: str, out: str | Path, dtype: str = "f32", force: bool = False,
-                      log=print) -> Path:
+def load_checkpoint_model(checkpoint: str | Path, log=print):
+    """(model, tokenizer, lora layout or None, manifest) rebuilt from a verified .state checkpoint."""
     from retrograd.models.load import load_model
     from retrograd.models.lora import attach_lora
 
-    checkpoint, out = Path(checkpoint), Path(out)
+    checkpoint = Path(checkpoint)
     manifest = verify_state(checkpoint)
     base = manifest.get("base")
     if not base:
         raise CheckpointError(f"{checkpoint}: its manifest does not record the base model (written by an older "
-                              "retrograd); export it from a checkpoint of a current run")
+                              "retrograd); use a checkpoint of a current run")
     lora = base.get("lora")
-    if fmt in ("gguf", "peft") and lora is None:
-        raise ConfigError(f"--format {fmt} writes a LoRA adapter, but {checkpoint} is a full fine-tune; use --format hf")
-    weights_bytes = manifest["files"]["weights.safetensors"]["bytes"]
-    out.parent.mkdir(parents=True, exist_ok=True)
-
     loaded = load_model(base["model"], base["dtype"], log=log)
-    _check_target(out, force, weights_bytes if lora and fmt != "hf" else 4 * sum(
-        p.numel() for p in loaded.model.parameters()))
     model = loaded.model
     if lora:
         model, _ = attach_lora(model, lora["rank"], lora["alpha"], lora["modules"], 0.0, 0)
@@ -60,6 +53,22 @@ def export_checkpoint(checkpoint: str | Path, fmt: str, out: str | Path, dtype: 
     with torch.no_grad():
         for name, t in tensors.items():
             params[name].copy_(t)
+    return model, loaded.tokenizer, lora, manifest
+
+
+def export_checkpoint(checkpoint: str | Path, fmt: str, out: str | Path, dtype: str = "f32", force: bool = False,
+                      log=print) -> Path:
+    checkpoint, out = Path(checkpoint), Path(out)
+    manifest = verify_state(checkpoint)
+    lora = (manifest.get("base") or {}).get("lora")
+    if manifest.get("base") and fmt in ("gguf", "peft") and lora is None:
+        raise ConfigError(f"--format {fmt} writes a LoRA adapter, but {checkpoint} is a full fine-tune; use --format hf")
+    if out.exists() and not force:
+        raise ConfigError(f"{out} already exists; pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    model, tokenizer, lora, manifest = load_checkpoint_model(checkpoint, log)
+    _check_target(out, force, manifest["files"]["weights.safetensors"]["bytes"] if lora and fmt != "hf"
+                  else 4 * sum(p.numel() for p in model.parameters()))
 
     if out.exists():
         shutil.rmtree(out) if out.is_dir() else out.unlink()
@@ -78,5 +87,5 @@ def export_checkpoint(checkpoint: str | Path, fmt: str, out: str | Path, dtype: 
         model.peft_config["default"].save_pretrained(str(out))
     else:
         (model.merge_and_unload() if lora else model).save_pretrained(str(out), safe_serialization=True)
-        loaded.tokenizer.save_pretrained(str(out))
+        tokenizer.save_pretrained(str(out))
     return out
