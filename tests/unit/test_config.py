@@ -91,8 +91,8 @@ def test_checkpoint_cross_checks(tmp_path):
 
 
 def test_foreign_retrograd_rs_key_gets_a_hint(tmp_path):
-    msg = error_of(tmp_path, BASE + '\n[metrics]\nwandb_export_dir = "wb"\n')
-    assert "metrics.wandb_export_dir" in msg and "not available in this version" in msg
+    msg = error_of(tmp_path, BASE.replace("lr = 2e-4", "chunked_cross_entropy = true"))
+    assert "training.chunked_cross_entropy" in msg and "remove the key" in msg
     msg = error_of(tmp_path, BASE + '\n[lora]\ninit_adapter = "a.gguf"\nrank = 4\n')
     assert "lora.rank cannot be set together with lora.init_adapter" in msg
 

@@ -142,6 +142,9 @@ class MetricsTable:
     tensorboard_dir: Optional[str] = opt(None, path=True, trajectory=False,
                                          help="write TensorBoard event files in one subfolder per run")
     log_every: int = opt(1, min=1, trajectory=False, help="print a progress line every N steps")
+    wandb_export_dir: Optional[str] = opt(None, path=True, trajectory=False,
+                                          help="write an offline W&B export (no network, no wandb import); upload "
+                                               "it with scripts/import_wandb.py")
 
 
 @dataclass(frozen=True)
@@ -171,7 +174,9 @@ ALGORITHM_TABLES = {"sft": "sft", "preference": "preference", "ppo": "ppo", "grp
 
 # keys that retrograd-rs users bring, with what to write here instead
 FOREIGN_KEYS = {
-    "metrics.wandb_export_dir": "the W&B offline export is not available in this version yet",
+    "training.chunked_cross_entropy": "retrograd always computes the loss in vocabulary-sized chunks without "
+                                      "full logits; remove the key",
+    "training.kv_dtype": "the training attention cache dtype follows model.dtype here; remove the key",
 }
 
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from retrograd.metrics.tensorboard import EventWriter
+from retrograd.metrics.wandb_export import WandbExport
 
 
 def _fmt_duration(seconds: float) -> str:
@@ -34,6 +35,7 @@ def _clean(v):
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, total_steps: int, *, tensorboard_dir: str | None = None,
+                 wandb_export_dir: str | None = None, config: dict | None = None,
                  run_name: str = "run", log_every: int = 1, resume_step: int = 0, stream=None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -45,6 +47,7 @@ class MetricsLogger:
         self._truncate_after(resume_step)
         self._jsonl = open(self.path, "a", encoding="utf-8")
         self._tb = EventWriter(Path(tensorboard_dir) / run_name) if tensorboard_dir else None
+        self._wandb = WandbExport(wandb_export_dir, run_name, config or {}, resume_step) if wandb_export_dir else None
         self._t0 = time.monotonic()
         self._step0 = resume_step
         self._bar_open = False
@@ -71,6 +74,8 @@ class MetricsLogger:
         self._jsonl.flush()
         if self._tb:
             self._tb.add_scalars(step, {k: v for k, v in metrics.items() if _clean(v) is not None})
+        if self._wandb:
+            self._wandb.log(step, metrics)
         if "train/loss" in metrics and (step % self.log_every == 0 or step == self.total):
             self._progress(step, metrics)
         if "eval/loss" in metrics:
@@ -100,7 +105,10 @@ class MetricsLogger:
         self.stream.write(text + "\n")
         self.stream.flush()
 
-    def close(self) -> None:
+    def close(self, state: str = "finished") -> None:
+        """`state` (finished | stopped | early_stopped) is what the W&B export records."""
+        if self._wandb:
+            self._wandb.finish(state)
         if self._bar_open:
             self.stream.write("\n")
             self._bar_open = False

@@ -18,7 +18,7 @@ from retrograd.algorithms.schedule import lr_at
 from retrograd.algorithms.sft import IGNORE, cross_entropy_sum_reference, linear_cross_entropy_sum, select_targets
 from retrograd.checkpoint import state as ckpt
 from retrograd.checkpoint.fingerprint import fingerprint_path
-from retrograd.config.load import output_kind, trajectory_settings
+from retrograd.config.load import config_as_dict, output_kind, trajectory_settings
 from retrograd.export.gguf_lora import ARCHS as GGUF_ARCHS, check_exportable, write_gguf_lora
 from retrograd.errors import CheckpointError
 from retrograd.data.sampler import epoch_order, evenly_spaced, steps_per_epoch
@@ -183,6 +183,7 @@ def train_sft(cfg, resume: str | None = None, log=print) -> SftResult:
 
     run_dir = prepare_run_dir(cfg)
     metrics = MetricsLogger(run_dir, total_steps, tensorboard_dir=cfg.metrics.tensorboard_dir,
+                            wandb_export_dir=cfg.metrics.wandb_export_dir, config=config_as_dict(cfg),
                             run_name=cfg.run.name, log_every=cfg.metrics.log_every, resume_step=progress["step"])
     log(f"training {total_steps} steps of {rows_per_step} rows "
         f"({tr.batch_size} x {tr.gradient_accumulation} accumulation); run folder {run_dir}")
@@ -273,5 +274,5 @@ def train_sft(cfg, resume: str | None = None, log=print) -> SftResult:
         metrics.print(f"stopped at step {step}" + ("; continue with --resume" if ck else ""))
     out = save_output(model, tok, cfg)
     metrics.print(f"wrote {out}")
-    metrics.close()
+    metrics.close({"done": "finished", "patience": "early_stopped", "signal": "stopped"}[stopped_by])
     return SftResult(progress["step"], stopped_by, out, stop.exit_code, last_eval)
