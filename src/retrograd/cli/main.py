@@ -64,12 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="write a checkpoint as a llama.cpp adapter, PEFT folder or HF model",
                        description="Rebuild the model a .state checkpoint was trained on and write it out.")
     e.add_argument("checkpoint", help="a step-*.state or best.state folder")
-    e.add_argument("--format", required=True, choices=("gguf", "peft", "hf"),
+    e.add_argument("--format", required=True, choices=("gguf", "peft", "hf", "gguf-merged"),
                    help="gguf: llama.cpp LoRA adapter; peft: PEFT adapter folder; hf: HF model folder "
-                        "(LoRA merged into the weights, or the full fine-tune)")
+                        "(LoRA merged into the weights, or the full fine-tune); gguf-merged: a llama.cpp model "
+                        "with the LoRA merged in (bases loaded from a GGUF)")
     e.add_argument("--out", required=True, metavar="PATH", help="the file (gguf) or folder to write")
-    e.add_argument("--dtype", default="f32", choices=("f32", "f16", "bf16"),
-                   help="tensor dtype of an adapter (gguf: f32 or f16)")
+    e.add_argument("--dtype", default="f32", choices=("f32", "f16", "bf16", "q8_0"),
+                   help="tensor dtype: adapters f32/f16 (peft also bf16); gguf-merged f32/f16/q8_0")
     e.add_argument("--force", action="store_true", help="replace PATH if it exists")
 
     i = sub.add_parser("inspect", help="describe a model: architecture, sizes, dtype, suggested LoRA targets")

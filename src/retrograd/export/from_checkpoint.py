@@ -5,6 +5,8 @@ tensors, and write the requested format.
   gguf  llama.cpp LoRA adapter (LoRA checkpoints)
   peft  PEFT adapter folder (LoRA checkpoints)
   hf    HF model folder: the LoRA merged into the weights, or the fully fine-tuned model
+  gguf-merged  a standalone llama.cpp GGUF with the LoRA merged in (f32 / f16 / q8_0), for bases
+               that came from a GGUF file (the built-in model included)
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from safetensors.torch import load_file
 from retrograd.checkpoint.state import verify_state
 from retrograd.errors import CheckpointError, ConfigError
 
-FORMATS = ("gguf", "peft", "hf")
+FORMATS = ("gguf", "peft", "hf", "gguf-merged")
 
 
 def _check_target(out: Path, force: bool, needed_bytes: int) -> None:
@@ -27,6 +29,16 @@ def _check_target(out: Path, force: bool, needed_bytes: int) -> None:
     if free < needed_bytes:
         raise ConfigError(f"not enough disk space for {out}: about {needed_bytes / 1e6:.0f} MB needed, "
                           f"{free / 1e6:.0f} MB free")
+
+
+def _base_gguf(model_path: str) -> Path:
+    from retrograd.models.builtin import builtin_gguf, is_builtin
+    if is_builtin(model_path):
+        return builtin_gguf(model_path)
+    if model_path.endswith(".gguf") and Path(model_path).is_file():
+        return Path(model_path)
+    raise ConfigError(f"--format gguf-merged copies the base model's GGUF metadata, but {model_path} is not a GGUF "
+                      "file; export --format hf and convert it with llama.cpp's convert_hf_to_gguf.py")
 
 
 def load_checkpoint_model(checkpoint: str | Path, log=print):
@@ -67,11 +79,17 @@ def export_checkpoint(checkpoint: str | Path, fmt: str, out: str | Path, dtype: 
         raise ConfigError(f"{out} already exists; pass --force to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
     model, tokenizer, lora, manifest = load_checkpoint_model(checkpoint, log)
-    _check_target(out, force, manifest["files"]["weights.safetensors"]["bytes"] if lora and fmt != "hf"
+    _check_target(out, force, manifest["files"]["weights.safetensors"]["bytes"] if lora and fmt in ("gguf", "peft")
                   else 4 * sum(p.numel() for p in model.parameters()))
 
     if out.exists():
         shutil.rmtree(out) if out.is_dir() else out.unlink()
+    if fmt == "gguf-merged":
+        from retrograd.export.gguf_merged import write_merged_gguf
+        if lora is None:
+            raise ConfigError("--format gguf-merged merges a LoRA; for a full fine-tune export --format hf and "
+                              "convert it with llama.cpp's convert_hf_to_gguf.py")
+        return write_merged_gguf(_base_gguf(manifest["base"]["model"]), model, lora, out, dtype)
     if fmt == "gguf":
         from peft import get_peft_model_state_dict
         from retrograd.export.gguf_lora import check_exportable, write_gguf_lora

@@ -1,0 +1,87 @@
+"""Write a model with its LoRA merged in as a standalone GGUF (`retrograd export --format gguf-merged`).
+
+Route: start from the base model's own GGUF (its metadata and tokenizer are copied as they are), and
+write every tensor again: the adapted weights become W + alpha/r * B @ A, moved to GGUF layout (the
+llama q/k RoPE row permutation); 2-D weights are stored as F32, F16 or Q8_0, 1-D tensors (norms) as
+F32. A base that did not come from a GGUF file has no llama.cpp metadata to copy; that case is
+refused with a pointer to llama.cpp's own converter.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from retrograd.errors import ConfigError
+from retrograd.export.gguf_lora import ARCHS, permute_rows
+
+DTYPES = ("f32", "f16", "q8_0")
+
+
+def merged_deltas(model, lora: dict) -> dict[str, torch.Tensor]:
+    """HF weight name (model.layers.0.self_attn.q_proj.weight) -> alpha/r * B @ A."""
+    scale = lora["alpha"] / lora["rank"]
+    out = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_A") and "default" in getattr(module, "lora_A", {}):
+            a = module.lora_A["default"].weight.detach().float()
+            b = module.lora_B["default"].weight.detach().float()
+            out[name.removeprefix("base_model.model.") + ".weight"] = scale * (b @ a)
+    return out
+
+
+def write_merged_gguf(base_gguf: Path, model, lora: dict, out: Path, dtype: str = "f32") -> Path:
+    import gguf
+    cfg = model.config
+    if cfg.model_type not in ARCHS:
+        raise ConfigError(f"a merged GGUF is written for {', '.join(ARCHS)} models, not {cfg.model_type!r}")
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: a merged GGUF is f32, f16 or q8_0")
+    arch_name, permute = ARCHS[cfg.model_type]
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch_name), cfg.num_hidden_layers)
+    deltas = {}
+    for hf_name, delta in (merged_deltas(model, lora) if lora else {}).items():
+        g = names.get_name(hf_name, try_suffixes=(".weight",))
+        w = delta.numpy()
+        if permute and hf_name.endswith("q_proj.weight"):
+            w = permute_rows(w, cfg.num_attention_heads)
+        elif permute and hf_name.endswith("k_proj.weight"):
+            w = permute_rows(w, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        deltas[g] = w
+
+    reader = gguf.GGUFReader(str(base_gguf))
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    writer = gguf.GGUFWriter(str(tmp), reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
+    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        if field.name == gguf.Keys.General.FILE_TYPE:
+            writer.add_file_type(file_type)
+            continue
+        vtype = field.types[0]
+        writer.add_key_value(field.name, field.contents(), vtype,
+                             sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        w = w.reshape([int(d) for d in reversed(t.shape)])
+        if t.name in deltas:
+            w = w + deltas.pop(t.name)
+        if w.ndim == 1 or dtype == "f32":
+            writer.add_tensor(t.name, np.ascontiguousarray(w, dtype=np.float32))
+        elif dtype == "f16":
+            writer.add_tensor(t.name, w.astype(np.float16))
+        else:
+            q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(t.name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    if deltas:
+        raise ConfigError(f"the base GGUF has no tensors {sorted(deltas)[:3]} for the adapter's weights")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, out)
+    return out

@@ -1,0 +1,50 @@
+"""`retrograd export --format gguf-merged` on a SmolLM2 LoRA checkpoint: llama.cpp running the
+merged F32 GGUF gives the PyTorch merged model's next-token log-probabilities; Q8_0 loads and agrees
+on the most likely token."""
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from llamacpp_util import next_token_logprobs
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT = "The capital of France is Paris. The capital of Germany is"
+pytestmark = pytest.mark.slow
+
+
+def run(*args, cwd):
+    proc = subprocess.run([sys.executable, "-m", "retrograd", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc
+
+
+def test_merged_gguf_matches_torch(tmp_path, real_home):
+    cfg = tmp_path / "run.toml"
+    shutil.copy(ROOT / "examples" / "quickstart.toml", cfg)
+    run("train", cfg, "--threads", "2", "--set", "training.max_steps=2", "--set", "training.lr=0.01",
+        "--set", "training.warmup_steps=0", "--set", "checkpoint.every_steps=2", "--set", "training.batch_size=2", "--set", "training.gradient_accumulation=1",
+        "--set", "evaluation.max_examples=2", "--set", "lora.targets=['q', 'k', 'v']", cwd=tmp_path)
+    state = tmp_path / "out" / "quickstart-checkpoints" / "step-000000000002.state"
+    run("export", state, "--format", "gguf-merged", "--out", tmp_path / "merged-f32.gguf", cwd=tmp_path)
+    run("export", state, "--format", "gguf-merged", "--dtype", "q8_0", "--out", tmp_path / "merged-q8.gguf",
+        cwd=tmp_path)
+
+    from retrograd.export.from_checkpoint import load_checkpoint_model
+    model, tok, _, _ = load_checkpoint_model(state, log=lambda *_: None)
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        with model.disable_adapter():
+            base = torch.log_softmax(model(input_ids=ids).logits[0, -1], -1)
+        ref = torch.log_softmax(model.merge_and_unload()(input_ids=ids).logits[0, -1], -1)
+    assert float((ref - base).abs().max()) > 0.05  # the LoRA changes the output
+
+    got = next_token_logprobs(tmp_path / "merged-f32.gguf", PROMPT)
+    assert max(abs(v - float(ref[i])) for i, v in got.items()) < 1e-3
+    q8 = next_token_logprobs(tmp_path / "merged-q8.gguf", PROMPT)
+    assert max(q8, key=q8.get) == int(ref.argmax())
+    assert (tmp_path / "merged-q8.gguf").stat().st_size < 0.4 * (tmp_path / "merged-f32.gguf").stat().st_size
