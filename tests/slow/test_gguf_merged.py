@@ -48,3 +48,40 @@ def test_merged_gguf_matches_torch(tmp_path, real_home):
     q8 = next_token_logprobs(tmp_path / "merged-q8.gguf", PROMPT)
     assert max(q8, key=q8.get) == int(ref.argmax())
     assert (tmp_path / "merged-q8.gguf").stat().st_size < 0.4 * (tmp_path / "merged-f32.gguf").stat().st_size
+
+
+def test_full_fine_tune_written_as_gguf(tmp_path, real_home):
+    cfg = tmp_path / "full.toml"
+    cfg.write_text("""
+[run]
+algorithm = "sft"
+[model]
+path = "smollm2-135m-instruct"
+[output]
+path = "out/full.gguf"
+[training]
+trainable = "full"
+lr = 1e-3
+max_steps = 1
+batch_size = 2
+threads = 2
+[sft]
+data = "builtin:chat-sft"
+[checkpoint]
+directory = "ckpt"
+mode = "steps"
+every_steps = 1
+""")
+    run("train", cfg, cwd=tmp_path)
+    from retrograd.export.from_checkpoint import load_checkpoint_model
+    model, tok, lora, _ = load_checkpoint_model(tmp_path / "ckpt" / "step-000000000001.state", log=lambda *_: None)
+    assert lora is None
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(model(input_ids=ids).logits[0, -1], -1)
+    from retrograd.models.load import load_model
+    with torch.no_grad():
+        base = torch.log_softmax(load_model("smollm2-135m-instruct").model(input_ids=ids).logits[0, -1], -1)
+    assert float((ref - base).abs().max()) > 0.05  # the step really changed the weights
+    got = next_token_logprobs(tmp_path / "out" / "full.gguf", PROMPT)
+    assert max(abs(v - float(ref[i])) for i, v in got.items()) < 1e-3

@@ -121,8 +121,12 @@ def test_gguf_output_and_full_with_lora_are_refused_clearly(tmp_path):
     cfg = load_config(write(tmp_path, BASE.replace('"out/adapter"', '"out/a.gguf"')))
     from retrograd.config.load import output_kind
     assert output_kind(cfg) == "adapter"
-    msg = error_of(tmp_path, BASE.replace('"out/adapter"', '"out/a.gguf"').replace("lr = 2e-4", 'trainable = "full"'))
-    assert "a GGUF adapter needs training.trainable = 'lora'" in msg
+    full_gguf = BASE.replace('"out/adapter"', '"out/a.gguf"').replace("lr = 2e-4", 'trainable = "full"')
+    assert output_kind(load_config(write(tmp_path, full_gguf))) == "model"  # built-in base: a GGUF model
+    msg = error_of(tmp_path, full_gguf.replace('"smollm2-135m-instruct"', '"/some/hf-folder"'))
+    assert "is not a GGUF" in msg and "convert_hf_to_gguf.py" in msg
+    msg = error_of(tmp_path, full_gguf.replace("[output]", '[output]\nkind = "adapter"'))
+    assert "output.kind = 'adapter' needs training.trainable = 'lora'" in msg
     msg = error_of(tmp_path, BASE.replace("lr = 2e-4", 'trainable = "full"') + "\n[lora]\nrank = 4\n")
     assert "[lora] does not apply to training.trainable = 'full'" in msg
 
@@ -135,3 +139,16 @@ def test_json_schema_lists_every_table_and_key():
     lr = s["properties"]["training"]["properties"]["lr"]
     assert lr["type"] == "number" and lr["exclusiveMinimum"] == 0
     assert s["properties"]["sft"]["required"] == ["data"]
+
+
+def test_export_refuses_an_existing_target_and_a_full_disk(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+    from retrograd.export.from_checkpoint import _check_target
+    (tmp_path / "exists").mkdir()
+    with pytest.raises(ConfigError, match="already exists; pass --force"):
+        _check_target(tmp_path / "exists", False, 10)
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(100, 90, 10))
+    with pytest.raises(ConfigError, match="not enough disk space"):
+        _check_target(tmp_path / "new", False, 10_000_000)

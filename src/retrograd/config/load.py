@@ -205,12 +205,18 @@ def _cross_checks(cfg: RunConfig, src: Path) -> None:
     out = cfg.output
     kind = output_kind(cfg)
     if kind == "adapter" and tr.trainable != "lora":
-        raise ConfigError(f"{src}: output {out.path!r}: a GGUF adapter needs training.trainable = 'lora' "
-                          "(a merged GGUF of a full fine-tune is not available in this version yet)")
+        raise ConfigError(f"{src}: output.kind = 'adapter' needs training.trainable = 'lora'; a full fine-tune "
+                          "writes kind = 'model' (an HF folder, or a GGUF when the path ends in .gguf)")
     if kind == "peft" and tr.trainable != "lora":
         raise ConfigError(f"{src}: output.kind = 'peft' needs training.trainable = 'lora'")
-    if kind in ("peft", "model") and out.path.endswith(".gguf"):
-        raise ConfigError(f"{src}: output.kind = {kind!r} writes a folder, but output.path ends in .gguf")
+    if kind == "model" and out.path.endswith(".gguf"):
+        from retrograd.models.builtin import is_builtin
+        if not (is_builtin(cfg.model.path) or cfg.model.path.endswith(".gguf")):
+            raise ConfigError(f"{src}: output {out.path!r}: a GGUF model is written from the base model's own GGUF "
+                              f"metadata, and model.path {cfg.model.path!r} is not a GGUF; write an HF folder and "
+                              "convert it with llama.cpp's convert_hf_to_gguf.py")
+    if kind == "peft" and out.path.endswith(".gguf"):
+        raise ConfigError(f"{src}: output.kind = 'peft' writes a folder, but output.path ends in .gguf")
     ck = cfg.checkpoint
     if ck is not None:
         if ck.mode in ("steps", "steps_and_best_eval") and ck.every_steps is None:
@@ -232,7 +238,7 @@ def output_kind(cfg: RunConfig) -> str:
     if cfg.output.kind:
         return cfg.output.kind
     if cfg.output.path.endswith(".gguf"):
-        return "adapter"
+        return "adapter" if cfg.training.trainable == "lora" else "model"
     return "peft" if cfg.training.trainable == "lora" else "model"
 
 

@@ -31,7 +31,7 @@ def _check_target(out: Path, force: bool, needed_bytes: int) -> None:
                           f"{free / 1e6:.0f} MB free")
 
 
-def _base_gguf(model_path: str) -> Path:
+def base_gguf(model_path: str) -> Path:
     from retrograd.models.builtin import builtin_gguf, is_builtin
     if is_builtin(model_path):
         return builtin_gguf(model_path)
@@ -86,10 +86,7 @@ def export_checkpoint(checkpoint: str | Path, fmt: str, out: str | Path, dtype: 
         shutil.rmtree(out) if out.is_dir() else out.unlink()
     if fmt == "gguf-merged":
         from retrograd.export.gguf_merged import write_merged_gguf
-        if lora is None:
-            raise ConfigError("--format gguf-merged merges a LoRA; for a full fine-tune export --format hf and "
-                              "convert it with llama.cpp's convert_hf_to_gguf.py")
-        return write_merged_gguf(_base_gguf(manifest["base"]["model"]), model, lora, out, dtype)
+        return write_merged_gguf(base_gguf(manifest["base"]["model"]), model, lora, out, dtype)
     if fmt == "gguf":
         from peft import get_peft_model_state_dict
         from retrograd.export.gguf_lora import check_exportable, write_gguf_lora

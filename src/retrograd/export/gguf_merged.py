@@ -1,4 +1,5 @@
-"""Write a model with its LoRA merged in as a standalone GGUF (`retrograd export --format gguf-merged`).
+"""Write a trained model as a standalone GGUF (`retrograd export --format gguf-merged`, or a full
+fine-tune / merged LoRA with `[output] path = "*.gguf"`).
 
 Route: start from the base model's own GGUF (its metadata and tokenizer are copied as they are), and
 write every tensor again: the adapted weights become W + alpha/r * B @ A, moved to GGUF layout (the
@@ -32,24 +33,37 @@ def merged_deltas(model, lora: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_merged_gguf(base_gguf: Path, model, lora: dict, out: Path, dtype: str = "f32") -> Path:
+def _gguf_layout(cfg, names, hf_weights: dict) -> dict:
+    """HF-layout weights -> {gguf tensor name: numpy array in GGUF layout (q/k rows permuted)}."""
+    _, permute = ARCHS[cfg.model_type]
+    out = {}
+    for hf_name, t in hf_weights.items():
+        g = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if g is None:
+            continue
+        w = t.detach().float().cpu().numpy()
+        if permute and hf_name.endswith("q_proj.weight"):
+            w = permute_rows(w, cfg.num_attention_heads)
+        elif permute and hf_name.endswith("k_proj.weight"):
+            w = permute_rows(w, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        out[g] = w
+    return out
+
+
+def write_merged_gguf(base_gguf: Path, model, lora: dict | None, out: Path, dtype: str = "f32") -> Path:
+    """`lora` set: add the LoRA deltas to the base GGUF's weights; None: the model is a full fine-tune
+    and its own weights replace the base GGUF's."""
     import gguf
     cfg = model.config
     if cfg.model_type not in ARCHS:
         raise ConfigError(f"a merged GGUF is written for {', '.join(ARCHS)} models, not {cfg.model_type!r}")
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: a merged GGUF is f32, f16 or q8_0")
-    arch_name, permute = ARCHS[cfg.model_type]
-    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch_name), cfg.num_hidden_layers)
-    deltas = {}
-    for hf_name, delta in (merged_deltas(model, lora) if lora else {}).items():
-        g = names.get_name(hf_name, try_suffixes=(".weight",))
-        w = delta.numpy()
-        if permute and hf_name.endswith("q_proj.weight"):
-            w = permute_rows(w, cfg.num_attention_heads)
-        elif permute and hf_name.endswith("k_proj.weight"):
-            w = permute_rows(w, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-        deltas[g] = w
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, ARCHS[cfg.model_type][0]), cfg.num_hidden_layers)
+    if lora:
+        deltas, replace = _gguf_layout(cfg, names, merged_deltas(model, lora)), {}
+    else:
+        deltas, replace = {}, _gguf_layout(cfg, names, dict(model.state_dict()))
 
     reader = gguf.GGUFReader(str(base_gguf))
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
@@ -70,6 +84,10 @@ def write_merged_gguf(base_gguf: Path, model, lora: dict, out: Path, dtype: str 
         w = w.reshape([int(d) for d in reversed(t.shape)])
         if t.name in deltas:
             w = w + deltas.pop(t.name)
+        elif t.name in replace:
+            if replace[t.name].shape != w.shape:
+                raise ConfigError(f"{t.name}: the model has shape {replace[t.name].shape}, the base GGUF {w.shape}")
+            w = replace[t.name]
         if w.ndim == 1 or dtype == "f32":
             writer.add_tensor(t.name, np.ascontiguousarray(w, dtype=np.float32))
         elif dtype == "f16":
