@@ -24,6 +24,12 @@ examples:
 """
 
 
+def _trained_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="path to the run.toml")
+    p.add_argument("--adapter", metavar="PATH", help="a PEFT adapter folder or .gguf adapter (default: [output].path)")
+    p.add_argument("--checkpoint", metavar="DIR", help="a step-*.state or best.state")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="retrograd", description="Post-training for language models, driven by one TOML file.")
     p.add_argument("--version", action="version", version=f"retrograd {__version__}")
@@ -43,16 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--threads", type=int, metavar="N", help="override [training].threads (torch CPU threads)")
 
     ev = sub.add_parser("eval", help="loss and perplexity of the base and the trained model on evaluation data")
-    ev.add_argument("config", help="path to the run.toml")
-    ev.add_argument("--adapter", metavar="PATH", help="a PEFT adapter folder or .gguf adapter (default: [output].path)")
-    ev.add_argument("--checkpoint", metavar="DIR", help="a step-*.state or best.state to evaluate")
+    _trained_model_args(ev)
     ev.add_argument("--data", metavar="PATH", help="evaluation data (default: [evaluation].data)")
     ev.add_argument("--json", action="store_true", help="print JSON")
 
     ch = sub.add_parser("chat", help="talk to the base and the trained model")
-    ch.add_argument("config", help="path to the run.toml")
-    ch.add_argument("--adapter", metavar="PATH", help="a PEFT adapter folder or .gguf adapter (default: [output].path)")
-    ch.add_argument("--checkpoint", metavar="DIR", help="a step-*.state or best.state")
+    _trained_model_args(ch)
     ch.add_argument("--base-only", action="store_true", help="chat with the base model alone")
     ch.add_argument("--compare", action="store_true", help="answer each message with the base and the trained model")
     ch.add_argument("--system", metavar="TEXT", help="a system prompt")

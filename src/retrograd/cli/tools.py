@@ -43,11 +43,10 @@ def load_models(cfg, adapter: str | None, checkpoint: str | None, base_only: boo
         adapter = cfg.output.path
     if adapter is None:
         return loaded.model.eval(), loaded.tokenizer, None
-    from retrograd.models.adapter_io import apply_adapter, gguf_module_names, read_spec
+    from retrograd.models.adapter_io import adapter_layout, apply_adapter
     from retrograd.models.lora import attach_lora
-    spec = read_spec(adapter)
-    modules = gguf_module_names(loaded.model, spec.modules) if str(adapter).endswith(".gguf") else spec.modules
-    model, _ = attach_lora(loaded.model, spec.rank, spec.alpha, modules, 0.0, 0)
+    spec = adapter_layout(adapter, loaded.model)
+    model, _ = attach_lora(loaded.model, spec.rank, spec.alpha, spec.modules, 0.0, 0)
     apply_adapter(adapter, model)
     return model.eval(), loaded.tokenizer, str(adapter)
 

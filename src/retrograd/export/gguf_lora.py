@@ -80,6 +80,11 @@ def write_gguf_lora(path: str | Path, peft_state: dict[str, torch.Tensor], alpha
     np_dtype = {"f32": np.float32, "f16": np.float16}.get(dtype, np.float32)  # bf16 is stored as f32
     for name, arr in adapter_tensors(peft_state, config):
         writer.add_tensor(name, arr.astype(np_dtype))
+    return finish_gguf(writer, tmp, path)
+
+
+def finish_gguf(writer, tmp: Path, path: Path) -> Path:
+    """Write a prepared GGUFWriter's file to `tmp` and rename it to `path` (never half a file there)."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from retrograd.errors import ConfigError
-from retrograd.export.gguf_lora import ARCHS, permute_rows
+from retrograd.export.gguf_lora import ARCHS, finish_gguf, permute_rows
 
 DTYPES = ("f32", "f16", "q8_0")
 
@@ -97,9 +97,4 @@ def write_merged_gguf(base_gguf: Path, model, lora: dict | None, out: Path, dtyp
             writer.add_tensor(t.name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     if deltas:
         raise ConfigError(f"the base GGUF has no tensors {sorted(deltas)[:3]} for the adapter's weights")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, out)
-    return out
+    return finish_gguf(writer, tmp, out)

@@ -53,6 +53,14 @@ def read_spec(path: str | Path) -> AdapterSpec:
                       "or a .gguf LoRA adapter")
 
 
+def adapter_layout(path: str | Path, model) -> AdapterSpec:
+    """rank, alpha and the model's leaf module names of an adapter (GGUF tensor kinds mapped)."""
+    spec = read_spec(path)
+    if _is_gguf(Path(path)):
+        spec.modules = gguf_module_names(model, spec.modules)
+    return spec
+
+
 def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """Inverse of gguf_lora.permute_rows (interleaved -> rotate-half RoPE row order)."""
     out = w.shape[0]

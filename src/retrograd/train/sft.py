@@ -25,7 +25,7 @@ from retrograd.data.sampler import epoch_order, evenly_spaced, steps_per_epoch
 from retrograd.data.sft import Example, Renderer, collate, load_examples, resolve_data_path, split_by_tokens
 from retrograd.metrics import MetricsLogger
 from retrograd.models.load import load_model
-from retrograd.models.adapter_io import apply_adapter, gguf_module_names, read_spec
+from retrograd.models.adapter_io import adapter_layout, apply_adapter, read_spec
 from retrograd.models.lora import attach_lora
 from retrograd.train import checkpointing as io
 from retrograd.train.common import (StopRequest, build_optimizer, clip_gradients, configure_torch, peak_rss_mb,
@@ -129,9 +129,8 @@ def train_sft(cfg, resume: str | None = None, log=print) -> SftResult:
         lc = cfg.lora
         if lc.init_adapter:
             # rank, alpha and targets come from the adapter; recorded as the run's settings
-            spec = read_spec(lc.init_adapter)
-            targets = gguf_module_names(model, spec.modules) if lc.init_adapter.endswith(".gguf") else spec.modules
-            lc = dataclasses.replace(lc, rank=spec.rank, alpha=spec.alpha, targets=targets)
+            spec = adapter_layout(lc.init_adapter, model)
+            lc = dataclasses.replace(lc, rank=spec.rank, alpha=spec.alpha, targets=spec.modules)
             cfg = dataclasses.replace(cfg, lora=lc)
         model, modules = attach_lora(model, lc.rank, lc.alpha, lc.targets, lc.dropout, lc.seed)
         if lc.init_adapter:
