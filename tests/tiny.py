@@ -16,14 +16,22 @@ CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'
                  " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-def make_tokenizer():
+def make_tokenizer(merges: tuple[str, ...] = (), split_digits: bool = False, pre_tokenizer=None):
+    """`merges` ("a b" pairs) add merged tokens after the 256 bytes; `split_digits` puts SmolLM2's
+    digit-by-digit split before the byte-level step; `pre_tokenizer` replaces the whole step."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
     byte_chars = list(bytes_to_unicode().values())
     vocab = {c: i for i, c in enumerate(byte_chars)}
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    for m in merges:
+        vocab[m.replace(" ", "")] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges]))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if split_digits:
+        tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), tk.pre_tokenizer])
+    if pre_tokenizer is not None:
+        tk.pre_tokenizer = pre_tokenizer
     tk.decoder = decoders.ByteLevel()
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|endoftext|>", eos_token="<|im_end|>",
                                   pad_token="<|endoftext|>", unk_token="<|endoftext|>")
@@ -32,10 +40,11 @@ def make_tokenizer():
     return tok
 
 
-def make_model_dir(path: Path, seed: int = 0, hidden: int = 32, layers: int = 2, tie: bool = True) -> Path:
+def make_model_dir(path: Path, seed: int = 0, hidden: int = 32, layers: int = 2, tie: bool = True,
+                   tokenizer=None) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    tok = make_tokenizer()
+    tok = tokenizer or make_tokenizer()
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                       tie_word_embeddings=tie, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,

@@ -85,3 +85,33 @@ every_steps = 1
     assert float((ref - base).abs().max()) > 0.05  # the step really changed the weights
     got = next_token_logprobs(tmp_path / "out" / "full.gguf", PROMPT)
     assert max(abs(v - float(ref[i])) for i, v in got.items()) < 1e-3
+
+
+def test_merged_gguf_from_an_hf_folder_base(tmp_path, real_home):
+    """SmolLM2 saved as an HF folder: the merged LoRA is written from the folder's config + tokenizer;
+    llama.cpp tokenizes the prompt like HF and gives the same logits."""
+    from retrograd.export.gguf_merged import write_model_gguf
+    from retrograd.models.load import load_model
+    from retrograd.models.lora import attach_lora
+    builtin = load_model("smollm2-135m-instruct", log=lambda *_: None)
+    folder = str(tmp_path / "hf")
+    builtin.model.save_pretrained(folder)
+    builtin.tokenizer.save_pretrained(folder)
+    del builtin
+    loaded = load_model(folder, log=lambda *_: None)
+    model, _ = attach_lora(loaded.model, 8, 16, ["q", "v"], 0.0, 0)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    out = write_model_gguf(folder, model, loaded.tokenizer, {"rank": 8, "alpha": 16}, tmp_path / "m.gguf")
+    ids = loaded.tokenizer(PROMPT + " 2024", return_tensors="pt").input_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(model(input_ids=ids).logits[0, -1], -1)
+        with model.disable_adapter():
+            base = torch.log_softmax(model(input_ids=ids).logits[0, -1], -1)
+    assert float((ref - base).abs().max()) > 0.05
+    by_text = next_token_logprobs(out, PROMPT + " 2024")
+    assert by_text == next_token_logprobs(out, ids[0].tolist())
+    assert max(abs(v - float(ref[i])) for i, v in by_text.items()) < 1e-3

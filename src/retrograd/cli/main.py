@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--format", required=True, choices=("gguf", "peft", "hf", "gguf-merged"),
                    help="gguf: llama.cpp LoRA adapter; peft: PEFT adapter folder; hf: HF model folder "
                         "(LoRA merged into the weights, or the full fine-tune); gguf-merged: a llama.cpp model "
-                        "with the LoRA merged in (bases loaded from a GGUF)")
+                        "with the LoRA merged in, or the full fine-tune")
     e.add_argument("--out", required=True, metavar="PATH", help="the file (gguf) or folder to write")
     e.add_argument("--dtype", default="f32", choices=("f32", "f16", "bf16", "q8_0"),
                    help="tensor dtype: adapters f32/f16 (peft also bf16); gguf-merged f32/f16/q8_0")

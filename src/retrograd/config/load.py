@@ -197,6 +197,20 @@ def load_config(path: Union[str, Path], overrides: Optional[list[str]] = None) -
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=name, directory=directory))
 
 
+def _check_gguf_model_output(cfg: RunConfig, src: Path) -> None:
+    """A GGUF model from an HF folder base is written from its config + tokenizer: check both can be
+    expressed before any training happens (a GGUF base keeps its own metadata, nothing to check)."""
+    folder = Path(cfg.model.path)
+    if not (folder / "config.json").is_file():
+        return  # a GGUF file, the built-in model, or a hub name resolved at load time
+    from retrograd.export.gguf_from_hf import check_hf_gguf
+    from transformers import AutoConfig, AutoTokenizer
+    try:
+        check_hf_gguf(AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder))
+    except ConfigError as e:
+        raise ConfigError(f"{src}: output {cfg.output.path!r}: {e}") from None
+
+
 def _cross_checks(cfg: RunConfig, src: Path) -> None:
     tr = cfg.training
     if tr.trainable == "full" and cfg.lora is not None:
@@ -210,11 +224,7 @@ def _cross_checks(cfg: RunConfig, src: Path) -> None:
     if kind == "peft" and tr.trainable != "lora":
         raise ConfigError(f"{src}: output.kind = 'peft' needs training.trainable = 'lora'")
     if kind == "model" and out.path.endswith(".gguf"):
-        from retrograd.models.builtin import is_builtin
-        if not (is_builtin(cfg.model.path) or cfg.model.path.endswith(".gguf")):
-            raise ConfigError(f"{src}: output {out.path!r}: a GGUF model is written from the base model's own GGUF "
-                              f"metadata, and model.path {cfg.model.path!r} is not a GGUF; write an HF folder and "
-                              "convert it with llama.cpp's convert_hf_to_gguf.py")
+        _check_gguf_model_output(cfg, src)
     if kind == "peft" and out.path.endswith(".gguf"):
         raise ConfigError(f"{src}: output.kind = 'peft' writes a folder, but output.path ends in .gguf")
     ck = cfg.checkpoint

@@ -5,8 +5,8 @@ tensors, and write the requested format.
   gguf  llama.cpp LoRA adapter (LoRA checkpoints)
   peft  PEFT adapter folder (LoRA checkpoints)
   hf    HF model folder: the LoRA merged into the weights, or the fully fine-tuned model
-  gguf-merged  a standalone llama.cpp GGUF with the LoRA merged in (f32 / f16 / q8_0), for bases
-               that came from a GGUF file (the built-in model included)
+  gguf-merged  a standalone llama.cpp GGUF with the LoRA merged in, or the full fine-tune
+               (f32 / f16 / q8_0), from a GGUF base's metadata or an HF base's config + tokenizer
 """
 from __future__ import annotations
 
@@ -31,14 +31,14 @@ def _check_target(out: Path, force: bool, needed_bytes: int) -> None:
                           f"{free / 1e6:.0f} MB free")
 
 
-def base_gguf(model_path: str) -> Path:
+def base_gguf(model_path: str) -> Path | None:
+    """The GGUF file the base model was loaded from (the built-in model included), or None."""
     from retrograd.models.builtin import builtin_gguf, is_builtin
     if is_builtin(model_path):
         return builtin_gguf(model_path)
     if model_path.endswith(".gguf") and Path(model_path).is_file():
         return Path(model_path)
-    raise ConfigError(f"--format gguf-merged copies the base model's GGUF metadata, but {model_path} is not a GGUF "
-                      "file; export --format hf and convert it with llama.cpp's convert_hf_to_gguf.py")
+    return None
 
 
 def load_checkpoint_model(checkpoint: str | Path, log=print):
@@ -85,8 +85,8 @@ def export_checkpoint(checkpoint: str | Path, fmt: str, out: str | Path, dtype: 
     if out.exists():
         shutil.rmtree(out) if out.is_dir() else out.unlink()
     if fmt == "gguf-merged":
-        from retrograd.export.gguf_merged import write_merged_gguf
-        return write_merged_gguf(base_gguf(manifest["base"]["model"]), model, lora, out, dtype)
+        from retrograd.export.gguf_merged import write_model_gguf
+        return write_model_gguf(manifest["base"]["model"], model, tokenizer, lora, out, dtype)
     if fmt == "gguf":
         from peft import get_peft_model_state_dict
         from retrograd.export.gguf_lora import check_exportable, write_gguf_lora

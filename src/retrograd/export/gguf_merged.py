@@ -4,8 +4,8 @@ fine-tune / merged LoRA with `[output] path = "*.gguf"`).
 Route: start from the base model's own GGUF (its metadata and tokenizer are copied as they are), and
 write every tensor again: the adapted weights become W + alpha/r * B @ A, moved to GGUF layout (the
 llama q/k RoPE row permutation); 2-D weights are stored as F32, F16 or Q8_0, 1-D tensors (norms) as
-F32. A base that did not come from a GGUF file has no llama.cpp metadata to copy; that case is
-refused with a pointer to llama.cpp's own converter.
+F32. A base that did not come from a GGUF file (an HF folder) has no llama.cpp metadata to copy; it
+is written from its config and tokenizer by gguf_from_hf.py. `write_model_gguf` picks the route.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from retrograd.errors import ConfigError
+from retrograd.export.gguf_from_hf import add_weight
 from retrograd.export.gguf_lora import ARCHS, finish_gguf, permute_rows
 
 DTYPES = ("f32", "f16", "q8_0")
@@ -88,13 +89,20 @@ def write_merged_gguf(base_gguf: Path, model, lora: dict | None, out: Path, dtyp
             if replace[t.name].shape != w.shape:
                 raise ConfigError(f"{t.name}: the model has shape {replace[t.name].shape}, the base GGUF {w.shape}")
             w = replace[t.name]
-        if w.ndim == 1 or dtype == "f32":
-            writer.add_tensor(t.name, np.ascontiguousarray(w, dtype=np.float32))
-        elif dtype == "f16":
-            writer.add_tensor(t.name, w.astype(np.float16))
-        else:
-            q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
-            writer.add_tensor(t.name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        add_weight(writer, t.name, w, dtype)
     if deltas:
         raise ConfigError(f"the base GGUF has no tensors {sorted(deltas)[:3]} for the adapter's weights")
     return finish_gguf(writer, tmp, out)
+
+
+def write_model_gguf(model_path: str, model, tokenizer, lora: dict | None, out: Path, dtype: str = "f32") -> Path:
+    """The trained model as a llama.cpp GGUF: from the base's own GGUF when it came from one (its
+    metadata and tokenizer kept byte for byte), otherwise from the HF config and tokenizer."""
+    from retrograd.export.from_checkpoint import base_gguf
+    from retrograd.export.gguf_from_hf import write_hf_gguf
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: a merged GGUF is f32, f16 or q8_0")
+    source = base_gguf(model_path)
+    if source is None:
+        return write_hf_gguf(model, tokenizer, lora, Path(out), dtype)
+    return write_merged_gguf(source, model, lora, Path(out), dtype)

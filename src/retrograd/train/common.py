@@ -139,11 +139,10 @@ def save_output(model, tokenizer, cfg) -> Path:
         from retrograd.export.gguf_lora import write_gguf_lora
         return write_gguf_lora(final, get_peft_model_state_dict(model), cfg.lora.alpha, model.config, cfg.lora.dtype)
     if output_kind(cfg) == "model" and final.suffix == ".gguf":
-        # a standalone llama.cpp model: the base GGUF's metadata with the trained weights
-        from retrograd.export.from_checkpoint import base_gguf
-        from retrograd.export.gguf_merged import write_merged_gguf
+        # a standalone llama.cpp model with the trained weights
+        from retrograd.export.gguf_merged import write_model_gguf
         lora = ({"rank": cfg.lora.rank, "alpha": cfg.lora.alpha} if cfg.training.trainable == "lora" else None)
-        return write_merged_gguf(base_gguf(cfg.model.path), model, lora, final, "f32")
+        return write_model_gguf(cfg.model.path, model, tokenizer, lora, final, "f32")
     staging = final.with_name(f".staging-{final.name}-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     if output_kind(cfg) == "model" and cfg.training.trainable == "lora":
