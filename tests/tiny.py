@@ -136,3 +136,45 @@ class CLI:
         if check is not None:
             assert proc.returncode == check, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
         return proc
+
+
+def pref_rows(n: int, seed: int = 0) -> list[dict]:
+    """Learnable pairs: the chosen answer reverses the question's words, the rejected one repeats them."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        words = rng.sample(WORDS, 3)
+        rows.append({"prompt": [{"role": "user", "content": " ".join(words)}],
+                     "chosen": [{"role": "assistant", "content": " ".join(reversed(words))}],
+                     "rejected": [{"role": "assistant", "content": " ".join(words)}]})
+    return rows
+
+
+def write_pref_run(tmp: Path, model_dir: Path, extra: str = "", *, steps: int | None = 8, train_rows: int = 24,
+                   eval_rows: int = 8, name: str = "pref.toml") -> Path:
+    """A small preference run.toml in `tmp` (pairs written beside it)."""
+    write_jsonl(tmp / "pairs.jsonl", pref_rows(train_rows, seed=1))
+    write_jsonl(tmp / "pairs_eval.jsonl", pref_rows(eval_rows, seed=2))
+    text = f"""
+[run]
+algorithm = "preference"
+[model]
+path = "{model_dir}"
+[output]
+path = "out/adapter"
+[lora]
+rank = 4
+alpha = 8
+[training]
+lr = 0.01
+batch_size = 2
+gradient_accumulation = 2
+ctx = 64
+threads = 1
+{f"max_steps = {steps}" if steps else ""}
+[preference]
+data = "pairs.jsonl"
+"""
+    cfg = tmp / name
+    cfg.write_text(_merge(text, extra))
+    return cfg

@@ -82,3 +82,53 @@ def cross_entropy_sum_reference(logits: torch.Tensor, labels: torch.Tensor) -> t
     models whose head is not a plain linear layer."""
     return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
                                              labels[:, 1:].reshape(-1), ignore_index=IGNORE, reduction="sum")
+
+
+class _LinearTokenLogprobs(torch.autograd.Function):
+    """log softmax(h_n @ W^T)[t_n] per row; d/dh_n = W[t_n] - softmax_n @ W is computed in the
+    forward (the softmax is at hand there) and scaled per row in backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_size):
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        out = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
+        grad_h = torch.empty_like(hidden)
+        for start in range(0, hidden.shape[0], chunk_size):
+            h, y = hidden[start:start + chunk_size], targets[start:start + chunk_size]
+            logits = (h @ weight.t()).to(acc)  # [C, V]
+            lse = torch.logsumexp(logits, dim=-1)
+            out[start:start + chunk_size] = logits.gather(1, y[:, None]).squeeze(1) - lse
+            probs = logits.sub_(lse[:, None]).exp_()
+            probs[torch.arange(y.shape[0], device=y.device), y] -= 1.0
+            grad_h[start:start + chunk_size] = -(probs.to(hidden.dtype) @ weight)  # [C, H]
+        ctx.save_for_backward(grad_h)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (grad_h,) = ctx.saved_tensors
+        return grad_h * grad_out.to(grad_h.dtype)[:, None], None, None, None
+
+
+def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                          chunk_size: int = 1024) -> torch.Tensor:
+    """Per-row log-probability of the target token: hidden [N, H], weight [V, H], targets [N] ->
+    [N] (float32), without keeping [N, V] logits. A head that is itself trained (a full fine-tune)
+    goes through autograd one chunk at a time, recomputing the chunk's logits in backward."""
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+
+    def plain(h, y):
+        logits = (h @ weight.t()).to(acc)
+        return logits.gather(1, y[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+
+    if hidden.shape[0] == 0:
+        return hidden.sum(-1).to(acc) * 0.0
+    if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
+        with torch.no_grad():
+            return torch.cat([plain(hidden[s:s + chunk_size], targets[s:s + chunk_size])
+                              for s in range(0, hidden.shape[0], chunk_size)])
+    if weight.requires_grad:
+        from torch.utils.checkpoint import checkpoint
+        return torch.cat([checkpoint(plain, hidden[s:s + chunk_size], targets[s:s + chunk_size], use_reentrant=False)
+                          for s in range(0, hidden.shape[0], chunk_size)])
+    return _LinearTokenLogprobs.apply(hidden, weight, targets, chunk_size)

@@ -86,7 +86,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _train(args) -> int:
     from retrograd.config import load_config
-    from retrograd.train.sft import train_sft
     overrides = list(args.overrides)
     if args.model:
         overrides.append(f"model.path={json.dumps(args.model)}")
@@ -95,7 +94,11 @@ def _train(args) -> int:
     if args.threads:
         overrides.append(f"training.threads={args.threads}")
     cfg = load_config(args.config, overrides)
-    result = train_sft(cfg, resume=args.resume)
+    if cfg.run.algorithm == "preference":
+        from retrograd.train.preference import train_preference as train
+    else:
+        from retrograd.train.sft import train_sft as train
+    result = train(cfg, resume=args.resume)
     return result.exit_code
 
 

@@ -187,6 +187,7 @@ def load_config(path: Union[str, Path], overrides: Optional[list[str]] = None) -
     tables.setdefault("metrics", schema.MetricsTable())
     cfg = RunConfig(**tables, source=str(src))
     _cross_checks(cfg, src)
+    cfg = _resolve_preference(cfg, src)
     if cfg.model.path and not cfg.model.path.startswith("builtin:"):
         # a model path that exists relative to the TOML resolves there; otherwise it stays an alias
         candidate = (base / os.path.expanduser(cfg.model.path))
@@ -209,6 +210,38 @@ def _check_gguf_model_output(cfg: RunConfig, src: Path) -> None:
         check_hf_gguf(AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder))
     except ConfigError as e:
         raise ConfigError(f"{src}: output {cfg.output.path!r}: {e}") from None
+
+
+PREFERENCE_BETA = {"dpo": 0.1, "ipo": 0.1, "simpo": 2.0, "orpo": 0.1}
+
+
+def _resolve_preference(cfg: RunConfig, src: Path) -> RunConfig:
+    """Refuse [preference] keys the chosen loss does not read, then fill the loss's defaults."""
+    if cfg.reference is not None and cfg.run.algorithm not in ("preference",):
+        raise ConfigError(f"{src}: [reference] does not apply to run.algorithm = {cfg.run.algorithm!r}")
+    pc = cfg.preference
+    if pc is None:
+        return cfg
+    unread = {"label_smoothing": ("dpo",), "gamma_beta_ratio": ("simpo",), "reference": ("dpo", "ipo")}
+    for key, losses in unread.items():
+        if getattr(pc, key) is not None and pc.loss not in losses:
+            raise ConfigError(f"{src}: preference.{key} is not read by loss = {pc.loss!r} (only by "
+                              f"{' / '.join(losses)}); remove it")
+    if cfg.reference is not None:
+        if pc.loss not in ("dpo", "ipo"):
+            raise ConfigError(f"{src}: [reference] is not read by preference.loss = {pc.loss!r} (simpo and orpo "
+                              "use no reference); remove the table")
+        if pc.reference is not None:
+            raise ConfigError(f"{src}: give preference.reference or a [reference] model, not both")
+        if cfg.reference.ctx not in (None, cfg.training.ctx):
+            raise ConfigError(f"{src}: reference.ctx = {cfg.reference.ctx} must equal training.ctx = "
+                              f"{cfg.training.ctx}: the reference scores the same token sequences")
+    filled = dataclasses.replace(
+        pc, beta=pc.beta if pc.beta is not None else PREFERENCE_BETA[pc.loss],
+        reference=pc.reference or ("initial" if pc.loss in ("dpo", "ipo") and cfg.reference is None else None),
+        label_smoothing=pc.label_smoothing if pc.label_smoothing is not None else (0.0 if pc.loss == "dpo" else None),
+        gamma_beta_ratio=pc.gamma_beta_ratio if pc.gamma_beta_ratio is not None else (0.5 if pc.loss == "simpo" else None))
+    return dataclasses.replace(cfg, preference=filled)
 
 
 def _cross_checks(cfg: RunConfig, src: Path) -> None:

@@ -26,7 +26,7 @@ def opt(default: Any = None, *, help: str, choices: tuple | None = None, min: fl
 
 
 ALGORITHMS = ("sft", "preference", "ppo", "grpo", "distill", "agent_grpo")
-SUPPORTED_ALGORITHMS = ("sft",)
+SUPPORTED_ALGORITHMS = ("sft", "preference")
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,37 @@ class SftTable:
 
 
 @dataclass(frozen=True)
+class PreferenceTable:
+    data: str = opt(REQUIRED, path=True, trajectory=False,
+                    help='preference pairs: .jsonl rows {"prompt": [messages] | "text", "chosen": ..., "rejected": ...}, '
+                         "or builtin:NAME")
+    loss: str = opt("dpo", choices=("dpo", "ipo", "simpo", "orpo"), help="dpo, ipo, simpo or orpo")
+    beta: Optional[float] = opt(None, min=0, min_exclusive=True,
+                                help="loss temperature (default 0.1; 2.0 for simpo; for orpo the odds-ratio weight lambda)")
+    reference: Optional[str] = opt(None, choices=("initial", "base"),
+                                   help="dpo/ipo: the policy as training starts (initial, default) or the base model "
+                                        "with the adapter disabled (base); [reference] model overrides both")
+    label_smoothing: Optional[float] = opt(None, min=0, max=0.5, max_exclusive=True,
+                                           help="dpo only: conservative DPO's label noise (default 0)")
+    gamma_beta_ratio: Optional[float] = opt(None, min=0, help="simpo only: the target margin gamma / beta (default 0.5)")
+    shuffle: bool = opt(True, help="shuffle pairs each epoch (seeded by training.seed)")
+    pairs_per_step: Optional[int] = opt(None, min=1,
+                                        help="pairs per optimizer step (default training.batch_size x gradient_accumulation)")
+    logps_drop_warn: float = opt(2.0, min=0, trajectory=False,
+                                 help="dpo/ipo: warn once when the chosen responses' summed log-probability falls this "
+                                      "many nats below the reference")
+    template_variables: dict = opt({}, help="extra variables passed to the chat template")
+
+
+@dataclass(frozen=True)
+class ReferenceTable:
+    model: str = opt(REQUIRED, trajectory=False,
+                     help="the reference model (HF folder, .gguf or alias; same tokenizer as the trained model); "
+                          "scored once before the first step, never held during training")
+    ctx: Optional[int] = opt(None, min=8, help="context of the reference (default training.ctx; must equal it here)")
+
+
+@dataclass(frozen=True)
 class EvaluationTable:
     data: str = opt(REQUIRED, path=True, trajectory=False, help="held-out data in the training format")
     every_steps: Optional[int] = opt(None, min=1, help="evaluate every N optimizer steps")
@@ -156,6 +187,8 @@ class RunConfig:
     training: TrainingTable
     lora: Optional[LoraTable] = None
     sft: Optional[SftTable] = None
+    preference: Optional[PreferenceTable] = None
+    reference: Optional[ReferenceTable] = None
     evaluation: Optional[EvaluationTable] = None
     checkpoint: Optional[CheckpointTable] = None
     metrics: MetricsTable = field(default_factory=MetricsTable)
@@ -165,7 +198,8 @@ class RunConfig:
 # table name -> dataclass; the order is the order of the docs and the JSON schema
 TABLES: dict[str, type] = {
     "run": RunTable, "model": ModelTable, "output": OutputTable, "lora": LoraTable,
-    "training": TrainingTable, "sft": SftTable, "evaluation": EvaluationTable,
+    "training": TrainingTable, "sft": SftTable, "preference": PreferenceTable, "reference": ReferenceTable,
+    "evaluation": EvaluationTable,
     "checkpoint": CheckpointTable, "metrics": MetricsTable,
 }
 # tables of algorithms this version does not run yet: named so the error can say so

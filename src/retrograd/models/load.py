@@ -124,3 +124,13 @@ def load_model(path: str, dtype: str = "float32", log=print) -> LoadedModel:
         return LoadedModel(model, tok, name, path, path)
     raise ModelError(f"model.path {path!r} does not exist: give an HF model folder, a .gguf file, a built-in "
                      f"alias ({', '.join(BUILTINS)}) or hf:ORG/NAME for a Hugging Face Hub id")
+
+
+def model_fingerprint(path: str) -> str:
+    """A content fingerprint of a model path without loading it (for a [reference] model)."""
+    if is_builtin(path):
+        return fingerprint_path(builtin_gguf(path, lambda *_: None))
+    p = Path(os.path.expanduser(path))
+    if p.exists():
+        return fingerprint_path(p)
+    return path

@@ -1,0 +1,206 @@
+"""Preference optimisation (DPO, IPO, SimPO, ORPO) as a Task of the shared loop (train/loop.py).
+
+A step takes `pairs_per_step` pairs; each forward/backward pass holds whole pairs (both sides), as
+many as fit in the pass token budget. The policy's summed response log-probabilities S come from
+the fused chunked head (no [B, T, V] logits); the loss (algorithms/preference.py) is averaged over
+the step's pairs, so accumulation over passes gives the same update as one pass.
+
+The reference (DPO/IPO) is scored once before the first step: the policy as it starts
+(`reference = "initial"`), the base model with the adapter disabled (`"base"`), or
+`[reference] model`, which is loaded, scored and freed, so training never holds a second model.
+The scores are cached beside the checkpoints (train/reference_cache.py).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from retrograd.algorithms.preference import NEEDS_REFERENCE, PreferenceParams, preference_loss, segment_sums
+from retrograd.algorithms.sft import linear_token_logprobs, select_targets
+from retrograd.checkpoint.fingerprint import fingerprint_path
+from retrograd.data.preference import Pair, flatten, load_pairs, response_lengths, split_pairs
+from retrograd.data.sampler import evenly_spaced
+from retrograd.data.sft import IGNORE, Renderer, collate, resolve_data_path
+from retrograd.errors import ConfigError
+from retrograd.train import reference_cache
+from retrograd.train.loop import Setup, TrainResult, run_training
+from retrograd.train.sft import CE_CHUNK_ROWS, TokenLoss, to_device
+
+
+class SequenceLogprobs(TokenLoss):
+    """Summed log-probability of each row's trained (response) tokens: batch -> [B] float32."""
+
+    def __call__(self, batch: dict) -> torch.Tensor:
+        labels = batch["labels"]
+        rows = torch.arange(labels.shape[0], device=labels.device)[:, None].expand(-1, labels.shape[1] - 1)
+        keep = labels[:, 1:] != IGNORE
+        if not self.fused:
+            logp = torch.log_softmax(self.logits(batch)[:, :-1].float(), -1)
+            tok = logp.gather(-1, labels[:, 1:].clamp(min=0)[..., None]).squeeze(-1)  # [B, T-1]
+            return (tok * keep).sum(-1)
+        h, y = select_targets(self.hidden(batch), labels)  # [N, H], [N]
+        logp = linear_token_logprobs(h, self.head.weight, y, chunk_size=CE_CHUNK_ROWS)  # [N]
+        return segment_sums(logp, rows[keep], labels.shape[0])
+
+
+def score_pairs(scorer: SequenceLogprobs, model, pairs: list[Pair], pass_tokens, pad_id: int, device) -> torch.Tensor:
+    """[len(pairs), 2] float64 summed log-probs (chosen, rejected), no gradient, dropout off."""
+    was_training = model.training
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for chunk in split_pairs(pairs, pass_tokens):
+            s = scorer(to_device(collate(flatten(chunk), pad_id), device)).double().cpu()
+            out.append(s.view(-1, 2))
+    model.train(was_training)
+    return torch.cat(out) if out else torch.zeros(0, 2, dtype=torch.float64)
+
+
+def _mean(stats: dict[str, list[torch.Tensor]]) -> dict[str, float]:
+    return {k: float(torch.cat(v).mean()) for k, v in stats.items()}
+
+
+class PreferenceTask:
+    eval_metric = "preference_loss"
+
+    def __init__(self, s: Setup):
+        cfg, tr, pc, ev = s.cfg, s.cfg.training, s.cfg.preference, s.cfg.evaluation
+        self.s, self.cfg, self.tr, self.pc, self.ev = s, cfg, tr, pc, ev
+        renderer = Renderer(s.tokenizer, tr.ctx, True, pc.template_variables)
+        self.rows = load_pairs(pc.data, renderer)
+        self.eval_rows: list[Pair] = []
+        if ev is not None:
+            eval_all = load_pairs(ev.data, renderer)
+            self.eval_rows = [eval_all[i] for i in evenly_spaced(len(eval_all), ev.max_examples)]
+        s.log(f"data: {len(self.rows)} training pairs" + (f", {len(self.eval_rows)} evaluation pairs" if ev else ""))
+        self.params = PreferenceParams(pc.loss, pc.beta, pc.label_smoothing or 0.0, pc.gamma_beta_ratio or 0.5)
+        self.shuffle = pc.shuffle
+        self.rows_per_step = pc.pairs_per_step or tr.batch_size * tr.gradient_accumulation
+        self.step_description = f"{self.rows_per_step} pairs ({pc.loss}, beta {pc.beta})"
+        self.fingerprints = {"data": fingerprint_path(resolve_data_path(pc.data))}
+        if ev is not None:
+            self.fingerprints["eval_data"] = fingerprint_path(resolve_data_path(ev.data))
+        if cfg.reference is not None:
+            self.fingerprints["reference_model"] = _reference_fingerprint(cfg.reference.model)
+        self.scorer = SequenceLogprobs(s.model)
+        self.pad_id = s.tokenizer.pad_token_id
+        self.ref_train = self.ref_eval = None
+        self.warned_drop = False
+
+    # ---- the reference, scored once ------------------------------------------------------------
+    def _reference_key(self) -> dict:
+        cfg = self.cfg
+        source = (f"model:{self.fingerprints['reference_model']}" if cfg.reference is not None
+                  else self.pc.reference or "initial")
+        init = cfg.lora.init_adapter if cfg.lora is not None else None
+        return {"reference": source, "model": self.s.loaded.fingerprint, "dtype": cfg.model.dtype,
+                "init_adapter": fingerprint_path(Path(init)) if init and source == "initial" else None,
+                "data": self.fingerprints["data"], "eval_data": self.fingerprints.get("eval_data"),
+                "ctx": self.tr.ctx, "template_variables": self.pc.template_variables,
+                "eval_pairs": [p.index for p in self.eval_rows]}
+
+    def prepare(self, resume_path) -> None:
+        if self.pc.loss not in NEEDS_REFERENCE:
+            return
+        ck = self.cfg.checkpoint
+        key = self._reference_key()
+        cached = reference_cache.load_reference(Path(ck.directory), key, required=bool(resume_path)) if ck else None
+        if cached is not None:
+            self.ref_train, self.ref_eval = cached
+            self.s.log(f"reference scores read from {Path(ck.directory) / reference_cache.BIN}")
+            return
+        self.s.log(f"scoring the reference ({key['reference']}) on {len(self.rows) + len(self.eval_rows)} pairs, once")
+        self.ref_train, self.ref_eval = self._score_reference()
+        if ck is not None:
+            reference_cache.save_reference(Path(ck.directory), key, self.ref_train, self.ref_eval)
+
+    def _score_reference(self) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.s
+        if self.cfg.reference is not None:
+            from retrograd.models.load import load_model
+            ref = load_model(self.cfg.reference.model, self.cfg.model.dtype, log=s.log)
+            if ref.tokenizer.get_vocab() != s.tokenizer.get_vocab():
+                raise ConfigError(f"reference.model {self.cfg.reference.model}: its tokenizer differs from the trained "
+                                  "model's; the reference must score the very same token ids")
+            ref.model.to(s.device)
+            scorer = SequenceLogprobs(ref.model)
+            out = (score_pairs(scorer, ref.model, self.rows, s.pass_tokens, self.pad_id, s.device),
+                   score_pairs(scorer, ref.model, self.eval_rows, s.pass_tokens, self.pad_id, s.device))
+            del ref, scorer
+            return out
+        use_base = self.pc.reference == "base" and hasattr(s.model, "disable_adapter")
+
+        def score(pairs):
+            if use_base:
+                with s.model.disable_adapter():
+                    return score_pairs(self.scorer, s.model, pairs, s.pass_tokens, self.pad_id, s.device)
+            return score_pairs(self.scorer, s.model, pairs, s.pass_tokens, self.pad_id, s.device)
+        return score(self.rows), score(self.eval_rows)
+
+    # ---- one step, evaluation ------------------------------------------------------------------
+    def _loss(self, pairs: list[Pair], logps: torch.Tensor, r: torch.Tensor | None):
+        """r: the pairs' reference scores [P, 2] (None for SimPO/ORPO)."""
+        s = logps.view(-1, 2)  # [P, 2]
+        n_c, n_r = response_lengths(pairs)
+        return preference_loss(self.params, s[:, 0], s[:, 1], n_c, n_r,
+                               r[:, 0] if r is not None else None, r[:, 1] if r is not None else None)
+
+    def step(self, pairs: list[Pair]) -> dict:
+        stats: dict[str, list[torch.Tensor]] = {}
+        losses, n_tokens = [], 0
+        for chunk in split_pairs(pairs, self.s.pass_tokens):
+            logps = self.scorer(to_device(collate(flatten(chunk), self.pad_id), self.s.device)).cpu()
+            ref = self.ref_train[[p.index for p in chunk]] if self.ref_train is not None else None
+            loss, st = self._loss(chunk, logps, ref)
+            (loss.sum() / len(pairs)).backward()
+            losses.append(loss.detach())
+            for k, v in st.items():
+                stats.setdefault(k, []).append(v)
+            n_tokens += sum(p.tokens for p in chunk)
+        m = _mean(stats)
+        if self.ref_train is not None and not self.warned_drop:
+            idx = [p.index for p in pairs]
+            drop = float((torch.cat(stats["chosen_logps"]) - self.ref_train[idx, 0]).mean())
+            if drop < -self.pc.logps_drop_warn:
+                self.warned_drop = True
+                self.s.log(f"warning: the chosen responses' log-probability fell {-drop:.2f} nats below the "
+                           f"reference (preference.logps_drop_warn = {self.pc.logps_drop_warn}): the policy is "
+                           "pushing both sides down; consider a lower lr or a larger beta")
+        loss = float(torch.cat(losses).mean())
+        out = {"train/loss": loss, "train/tokens": n_tokens, "preference/loss": loss,
+               "preference/pairs_per_step": len(pairs)}
+        out.update({f"preference/{k}": v for k, v in m.items()})
+        return out
+
+    def evaluate(self) -> dict:
+        model = self.s.model
+        was_training = model.training
+        model.eval()
+        stats: dict[str, list[torch.Tensor]] = {}
+        losses, done = [], 0
+        with torch.no_grad():
+            for chunk in split_pairs(self.eval_rows, self.s.pass_tokens):
+                logps = self.scorer(to_device(collate(flatten(chunk), self.pad_id), self.s.device)).cpu()
+                # ref_eval rows follow eval_rows (the evaluated subset), in order
+                ref = self.ref_eval[done:done + len(chunk)] if self.ref_eval is not None else None
+                done += len(chunk)
+                loss, st = self._loss(chunk, logps, ref)
+                losses.append(loss)
+                for k, v in st.items():
+                    stats.setdefault(k, []).append(v)
+        model.train(was_training)
+        m = _mean(stats)
+        out = {"eval/preference_loss": float(torch.cat(losses).mean())}
+        out.update({f"eval/{k}": m[k] for k in ("accuracy", "margin", "chosen_reward", "rejected_reward",
+                                                 "chosen_logps", "rejected_logps")})
+        return out
+
+
+def _reference_fingerprint(path: str) -> str:
+    from retrograd.models.load import model_fingerprint
+    return model_fingerprint(path)
+
+
+def train_preference(cfg, resume: str | None = None, log=print) -> TrainResult:
+    return run_training(cfg, PreferenceTask, resume, log)
