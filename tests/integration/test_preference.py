@@ -128,3 +128,23 @@ def test_config_errors(tmp_path, tiny_model, cli, extra, message):
     cfg = write_pref_run(tmp_path, tiny_model, extra, steps=1)
     proc = cli("train", cfg, check=2)
     assert message in proc.stderr
+
+
+def test_eval_compares_base_and_trained_pairs(tmp_path, tiny_model, cli):
+    cfg = write_pref_run(tmp_path, tiny_model, EXTRA, steps=8)
+    cli("train", cfg, check=0)
+    out = json.loads(cli("eval", cfg, "--json", check=0).stdout)
+    assert out["pairs"] == 24 and out["trained_from"].endswith("adapter")
+    assert out["trained/accuracy"] >= out["base/accuracy"]
+    assert out["trained/preference_loss"] == pytest.approx(
+        [r for r in metrics(tmp_path) if "eval/preference_loss" in r][-1]["eval/preference_loss"], abs=1e-6)
+
+
+def test_full_fine_tune_dpo(tmp_path, tiny_model, cli):
+    cfg = write_pref_run(tmp_path, tiny_model, EXTRA.replace("lr = 0.003", 'lr = 0.001\ntrainable = "full"'), steps=6)
+    cfg.write_text(cfg.read_text().replace("[lora]\nrank = 4\nalpha = 8\n", ""))
+    cli("train", cfg, check=0)
+    evals = [r for r in metrics(tmp_path) if "eval/preference_loss" in r]
+    assert evals[0]["eval/preference_loss"] == pytest.approx(math.log(2), abs=1e-9)
+    assert evals[-1]["eval/preference_loss"] < evals[0]["eval/preference_loss"]
+    assert (tmp_path / "out" / "adapter" / "model.safetensors").is_file()  # an HF model folder

@@ -51,6 +51,48 @@ def load_models(cfg, adapter: str | None, checkpoint: str | None, base_only: boo
     return model.eval(), loaded.tokenizer, str(adapter)
 
 
+def _eval_preference(cfg, model, tok, label, data, as_json) -> int:
+    """Per side: how often the chosen response is the more likely one (per-token mean log-prob, so
+    length does not decide), and the mean per-token log-probs; for the trained side also the run's
+    loss and reward accuracy with the base model as the reference."""
+    from retrograd.algorithms.preference import PreferenceParams, preference_loss
+    from retrograd.data.preference import load_pairs, response_lengths
+    from retrograd.data.sft import Renderer
+    from retrograd.train.preference import SequenceLogprobs, score_pairs
+    pc = cfg.preference
+    pairs = load_pairs(data, Renderer(tok, cfg.training.ctx, True, pc.template_variables))
+    scorer, device = SequenceLogprobs(model), next(model.parameters()).device
+    budget = cfg.training.micro_batch or 512
+    with (model.disable_adapter() if label else nullcontext()):
+        scores = {"base": score_pairs(scorer, model, pairs, budget, tok.pad_token_id, device)}
+    if label:
+        scores["trained"] = score_pairs(scorer, model, pairs, budget, tok.pad_token_id, device)
+    n_c, n_r = response_lengths(pairs)
+    out = {"data": str(data), "pairs": len(pairs), "trained_from": label}
+    for side, s in scores.items():
+        lc, lr = s[:, 0] / n_c, s[:, 1] / n_r
+        out.update({f"{side}/accuracy": float((lc > lr).double().mean()), f"{side}/chosen_logps_per_token": float(lc.mean()),
+                    f"{side}/rejected_logps_per_token": float(lr.mean())})
+    if label:
+        b, t = scores["base"], scores["trained"]
+        params = PreferenceParams(pc.loss, pc.beta, pc.label_smoothing or 0.0, pc.gamma_beta_ratio or 0.5)
+        loss, st = preference_loss(params, t[:, 0], t[:, 1], n_c, n_r, b[:, 0], b[:, 1])
+        out.update({"trained/preference_loss": float(loss.mean()), "trained/reward_accuracy": float(st["accuracy"].mean()),
+                    "trained/margin": float(st["margin"].mean())})
+    if as_json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"{len(pairs)} pairs of {data}")
+    print(f"{'':10s}{'accuracy':>10s}{'chosen logp/tok':>17s}{'rejected logp/tok':>19s}")
+    for side in scores:
+        print(f"{side:10s}{out[side + '/accuracy']:10.3f}{out[side + '/chosen_logps_per_token']:17.4f}"
+              f"{out[side + '/rejected_logps_per_token']:19.4f}")
+    if label:
+        print(f"trained = {label}; {pc.loss} loss against the base {out['trained/preference_loss']:.4f}, "
+              f"reward accuracy {out['trained/reward_accuracy']:.3f}, margin {out['trained/margin']:.4f}")
+    return 0
+
+
 def run_eval(cfg, adapter=None, checkpoint=None, data=None, as_json=False) -> int:
     from retrograd.data.sft import Renderer, load_examples
     from retrograd.train.sft import TokenLoss, evaluate
@@ -58,6 +100,8 @@ def run_eval(cfg, adapter=None, checkpoint=None, data=None, as_json=False) -> in
     if data is None:
         raise ConfigError("retrograd eval needs evaluation data: an [evaluation] table with data, or --data PATH")
     model, tok, label = load_models(cfg, adapter, checkpoint)
+    if cfg.run.algorithm == "preference":
+        return _eval_preference(cfg, model, tok, label, data, as_json)
     rows = load_examples(data, cfg.sft.data_format, Renderer(tok, cfg.training.ctx, cfg.sft.assistant_only_loss,
                                                              cfg.sft.template_variables))
     loss_fn = TokenLoss(model)
