@@ -178,6 +178,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=int(os.environ.get("STEPS", 10)))
     p.add_argument("--out", default="bench_out")
+    p.add_argument("--epochs", type=int, default=1,
+                   help="passes over the pairs within --steps (the data is steps x 2 / epochs pairs); with 2+ the "
+                        "one-off reference scoring is shared by every epoch")
     p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     for internal in ("--work", "--data", "--gguf", "--result"):
         p.add_argument(internal, help=argparse.SUPPRESS)
@@ -190,11 +193,13 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     pairs = args.steps * PAIRS_PER_STEP
+    if args.worker is None and pairs % args.epochs:
+        p.error("--steps x 2 must be divisible by --epochs")
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench_dpo-") as tmp_name:
         tmp = Path(tmp_name)
         data = tmp / "pairs.jsonl"
-        write_data(data, pairs)
+        write_data(data, pairs // args.epochs)
         prep = spawn("prepare", tmp, args.steps, data)
         for kind in ("retrograd", "trl"):
             results[kind] = spawn(kind, tmp, args.steps, data, prep["gguf"])
@@ -203,14 +208,14 @@ def main() -> None:
         s = r["step_s"]
         summary[kind] = {
             "pairs_per_s_steps2plus": PAIRS_PER_STEP * (len(s) - 1) / sum(s[1:]),
-            "pairs_per_s_end_to_end": pairs / (sum(s) + r["reference_scoring_s"]),
+            "pairs_per_s_end_to_end": pairs / (sum(s) + r["reference_scoring_s"]),  # pairs trained, all epochs
             "reference_scoring_s": r["reference_scoring_s"], "mean_step_s": sum(s[1:]) / (len(s) - 1),
             "peak_rss_mb": max(r["process_peak_rss_mb"], r["worker_peak_rss_mb"]),
             "peak_rss_after_load_mb": r["peak_rss_after_load_mb"],
             "first_loss": r["loss"][0], "last_loss": r["loss"][-1]}
     rg, trl = summary["retrograd"], summary["trl"]
     print(f"\nDPO LoRA r={LORA_R} q,k,v,o | SmolLM2-135M fp32 | {PAIRS_PER_STEP} pairs/step | {args.steps} steps | "
-          f"{THREADS} threads")
+          f"{args.epochs} epoch(s) | {THREADS} threads")
     fmt = "{:<26} {:>10} {:>10} {:>10}"
     print(fmt.format("", "retrograd", "TRL", "ratio"))
     for key in ("pairs_per_s_steps2plus", "pairs_per_s_end_to_end", "mean_step_s", "reference_scoring_s",

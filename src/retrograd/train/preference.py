@@ -125,16 +125,16 @@ class PreferenceTask:
                                   "model's; the reference must score the very same token ids")
             ref.model.to(s.device)
             scorer = SequenceLogprobs(ref.model)
-            budget = 4 * s.pass_tokens if s.pass_tokens else None
-            out = (score_pairs(scorer, ref.model, self.rows, budget, self.pad_id, s.device),
-                   score_pairs(scorer, ref.model, self.eval_rows, budget, self.pad_id, s.device))
+            out = (score_pairs(scorer, ref.model, self.rows, s.pass_tokens, self.pad_id, s.device),
+                   score_pairs(scorer, ref.model, self.eval_rows, s.pass_tokens, self.pad_id, s.device))
             del ref, scorer
             return out
         # a fresh adapter (B = 0) adds exact zeros, so "initial" is scored with it disabled too (~5 % faster)
         fresh = self.cfg.lora is not None and not self.cfg.lora.init_adapter
         use_base = (self.pc.reference == "base" or fresh) and hasattr(s.model, "disable_adapter")
-        # no activations are kept without gradients, so scoring passes can be 4x the training ones
-        budget = 4 * s.pass_tokens if s.pass_tokens else None
+        # the same passes as evaluation: a float result depends on the batch it was computed in, and
+        # scoring exactly like evaluate() makes the step-0 evaluation exactly ln 2 / accuracy 0.5
+        budget = s.pass_tokens
 
         def score(pairs):
             if use_base:
