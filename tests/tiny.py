@@ -178,3 +178,39 @@ data = "pairs.jsonl"
     cfg = tmp / name
     cfg.write_text(_merge(text, extra))
     return cfg
+
+
+def write_grpo_run(tmp: Path, model_dir: Path, extra: str = "", *, updates: int = 6, name: str = "grpo.toml") -> Path:
+    """A small GRPO run.toml in `tmp`: prompts plus a python reward (the share of lowercase ASCII
+    letters in the completion, which a tiny random model learns to raise within a few updates)."""
+    write_jsonl(tmp / "prompts.jsonl", [{"prompt": [{"role": "user", "content": w}], "answer": w} for w in WORDS])
+    (tmp / "tiny_rewards.py").write_text(
+        "def share_of_lowercase(prompts, completions, **columns):\n"
+        "    return [sum('a' <= ch <= 'z' for ch in c) / max(1, len(c)) for c in completions]\n")
+    text = f"""
+[run]
+algorithm = "grpo"
+[model]
+path = "{model_dir}"
+[output]
+path = "out/adapter"
+[lora]
+rank = 4
+alpha = 8
+[training]
+lr = 0.02
+ctx = 64
+threads = 1
+[grpo]
+prompts = "prompts.jsonl"
+updates = {updates}
+prompts_per_update = 2
+group_size = 4
+rewards = [{{ type = "python", function = "tiny_rewards:share_of_lowercase" }}]
+[grpo.sampling]
+max_new_tokens = 8
+seed = 3
+"""
+    cfg = tmp / name
+    cfg.write_text(_merge(text, extra))
+    return cfg

@@ -96,6 +96,8 @@ def _train(args) -> int:
     cfg = load_config(args.config, overrides)
     if cfg.run.algorithm == "preference":
         from retrograd.train.preference import train_preference as train
+    elif cfg.run.algorithm == "grpo":
+        from retrograd.train.grpo import train_grpo as train
     else:
         from retrograd.train.sft import train_sft as train
     result = train(cfg, resume=args.resume)

@@ -188,6 +188,7 @@ def load_config(path: Union[str, Path], overrides: Optional[list[str]] = None) -
     cfg = RunConfig(**tables, source=str(src))
     _cross_checks(cfg, src)
     cfg = _resolve_preference(cfg, src)
+    cfg = _resolve_grpo(cfg, src, base)
     if cfg.model.path and not cfg.model.path.startswith("builtin:"):
         # a model path that exists relative to the TOML resolves there; otherwise it stays an alias
         candidate = (base / os.path.expanduser(cfg.model.path))
@@ -212,12 +213,37 @@ def _check_gguf_model_output(cfg: RunConfig, src: Path) -> None:
         raise ConfigError(f"{src}: output {cfg.output.path!r}: {e}") from None
 
 
+def _resolve_grpo(cfg: RunConfig, src: Path, base: Path) -> RunConfig:
+    """Build the [grpo.*] sub-tables with the same checks as top-level tables."""
+    g = cfg.grpo
+    if g is None:
+        return cfg
+    subs = {}
+    for key, cls in schema.GRPO_SUBTABLES.items():
+        raw = getattr(g, key)
+        subs[key] = None if raw is None else _build_table(f"grpo.{key}", cls, raw, src, base)
+    sampling = subs["sampling"]
+    if g.clip_range_high < g.clip_range_low and g.importance_sampling_level == "token":
+        pass  # clip-higher is usual; a narrower upper band is allowed
+    if cfg.reference is not None and g.kl_coefficient == 0:
+        raise ConfigError(f"{src}: [reference] is only used by the KL term, and grpo.kl_coefficient = 0")
+    if not g.rewards and not g.reward_command:
+        raise ConfigError(f"{src}: [grpo] needs at least one reward: [[grpo.rewards]] tables or reward_command")
+    if sampling.max_new_tokens >= cfg.training.ctx:
+        raise ConfigError(f"{src}: grpo.sampling.max_new_tokens = {sampling.max_new_tokens} leaves no room for the "
+                          f"prompt in training.ctx = {cfg.training.ctx}")
+    ov = subs["overlong_penalty"]
+    if ov is not None and ov.buffer_tokens > sampling.max_new_tokens:
+        raise ConfigError(f"{src}: grpo.overlong_penalty.buffer_tokens must be <= grpo.sampling.max_new_tokens")
+    return dataclasses.replace(cfg, grpo=dataclasses.replace(g, **subs))
+
+
 PREFERENCE_BETA = {"dpo": 0.1, "ipo": 0.1, "simpo": 2.0, "orpo": 0.1}
 
 
 def _resolve_preference(cfg: RunConfig, src: Path) -> RunConfig:
     """Refuse [preference] keys the chosen loss does not read, then fill the loss's defaults."""
-    if cfg.reference is not None and cfg.run.algorithm not in ("preference",):
+    if cfg.reference is not None and cfg.run.algorithm not in ("preference", "grpo"):
         raise ConfigError(f"{src}: [reference] does not apply to run.algorithm = {cfg.run.algorithm!r}")
     pc = cfg.preference
     if pc is None:
@@ -297,8 +323,15 @@ def trajectory_settings(cfg: RunConfig) -> dict:
         if table is None:
             continue
         for f in dataclasses.fields(table):
-            if f.metadata.get("trajectory", True):
-                out[f"{name}.{f.name}"] = getattr(table, f.name)
+            if not f.metadata.get("trajectory", True):
+                continue
+            value = getattr(table, f.name)
+            if dataclasses.is_dataclass(value):  # a sub-table such as [grpo.sampling]
+                for sub in dataclasses.fields(value):
+                    if sub.metadata.get("trajectory", True):
+                        out[f"{name}.{f.name}.{sub.name}"] = getattr(value, sub.name)
+            else:
+                out[f"{name}.{f.name}"] = value
     return out
 
 

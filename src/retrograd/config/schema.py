@@ -26,7 +26,7 @@ def opt(default: Any = None, *, help: str, choices: tuple | None = None, min: fl
 
 
 ALGORITHMS = ("sft", "preference", "ppo", "grpo", "distill", "agent_grpo")
-SUPPORTED_ALGORITHMS = ("sft", "preference")
+SUPPORTED_ALGORITHMS = ("sft", "preference", "grpo")
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,77 @@ class PreferenceTable:
 
 
 @dataclass(frozen=True)
+class GrpoSamplingTable:
+    max_new_tokens: int = opt(128, min=1, help="most tokens sampled per completion")
+    temperature: float = opt(1.0, min=0, min_exclusive=True, help="sampling temperature")
+    top_p: float = opt(1.0, min=0, max=1, min_exclusive=True, help="nucleus sampling mass")
+    top_k: int = opt(0, min=0, help="sample among the k most likely tokens (0: all)")
+    seed: int = opt(42, help="seed of the sampler (each update draws from seed + update)")
+    stop: list = opt([], help="strings that end a completion (EOS always does)")
+
+
+@dataclass(frozen=True)
+class GrpoOverlongTable:
+    buffer_tokens: int = opt(REQUIRED, min=1, help="the last N tokens before max_new_tokens where the penalty ramps")
+    max_penalty: float = opt(1.0, min=0, help="penalty at max_new_tokens")
+
+
+@dataclass(frozen=True)
+class GrpoKlScheduleTable:
+    warmup_updates: int = opt(0, min=0, help="ramp the KL coefficient linearly from 0 over N updates")
+    target: Optional[float] = opt(None, min=0, min_exclusive=True,
+                                  help="adapt the KL coefficient (x1.5 / /1.5) to keep the measured KL near this")
+
+
+@dataclass(frozen=True)
+class GrpoDynamicSamplingTable:
+    max_resample_factor: int = opt(2, min=2, help="sample up to prompts_per_update x N groups to find groups with signal")
+
+
+@dataclass(frozen=True)
+class GrpoTable:
+    prompts: str = opt(REQUIRED, path=True, trajectory=False,
+                       help='prompt rows: .jsonl {"messages": [...]} or {"prompt": ...} plus reward columns '
+                            '(e.g. "answer"), or builtin:NAME')
+    updates: Optional[int] = opt(None, min=1, help="policy updates (default: training.max_steps, else one pass "
+                                                   "over the prompts x training.epochs)")
+    prompts_per_update: int = opt(4, min=1, help="prompts sampled per update")
+    group_size: int = opt(8, min=2, max=256, help="completions per prompt")
+    grpo_epochs: int = opt(1, min=1, help="optimizer steps per update on the same completions")
+    clip_range_low: float = opt(0.2, min=0, max=1, help="ratio clip below 1")
+    clip_range_high: float = opt(0.28, min=0, help="ratio clip above 1 (clip-higher)")
+    kl_coefficient: float = opt(0.0, min=0, help="weight of the k3 KL to the reference (0 skips the reference pass)")
+    importance_sampling_level: str = opt("token", choices=("token", "sequence"), help="token, or sequence (GSPO)")
+    baseline: str = opt("mean", choices=("mean", "leave_one_out", "rloo"), help="group baseline: mean or leave-one-out")
+    scale_rewards: str = opt("none", choices=("none", "std"),
+                             help="none (Dr. GRPO) or divide advantages by the group std (original GRPO)")
+    loss_normalisation: str = opt("constant", choices=("token", "constant", "sequence"),
+                                  help="constant: / (completions x max_new_tokens) (Dr. GRPO); token: / tokens "
+                                       "(DAPO); sequence: per-completion mean (GRPO)")
+    mask_truncated: bool = opt(False, help="leave out of the loss completions that hit max_new_tokens")
+    prompt_order: str = opt("shuffled", choices=("sequential", "shuffled"), help="order prompts are taken in")
+    max_stalled_updates: int = opt(25, min=0, help="stop after N updates in a row without learning signal (0: never)")
+    rewards: list = opt([], help='reward functions: [[grpo.rewards]] tables with type = "match" | "math" | "format" '
+                                 '| "length" | "python" | "command", weight and their options')
+    reward_command: Optional[list] = opt(None, trajectory=False,
+                                         help="argv of a retrograd-reward/1 program (added to the rewards, weight 1)")
+    reward_mode: str = opt("persistent", choices=("persistent", "oneshot"), help="reward_command mode")
+    reward_timeout_seconds: float = opt(300.0, min=0, min_exclusive=True, trajectory=False,
+                                        help="most seconds a reward batch may take")
+    log_completions_every: int = opt(1, min=0, trajectory=False,
+                                     help="write sampled completions to completions.jsonl every N updates (0: never)")
+    template_variables: dict = opt({}, help="extra variables passed to the chat template")
+    sampling: dict = opt({}, help="[grpo.sampling]: max_new_tokens, temperature, top_p, top_k, seed, stop")
+    overlong_penalty: Optional[dict] = opt(None, help="[grpo.overlong_penalty]: buffer_tokens, max_penalty")
+    kl_schedule: Optional[dict] = opt(None, help="[grpo.kl_schedule]: warmup_updates, target")
+    dynamic_sampling: Optional[dict] = opt(None, help="[grpo.dynamic_sampling]: max_resample_factor")
+
+
+GRPO_SUBTABLES = {"sampling": GrpoSamplingTable, "overlong_penalty": GrpoOverlongTable,
+                  "kl_schedule": GrpoKlScheduleTable, "dynamic_sampling": GrpoDynamicSamplingTable}
+
+
+@dataclass(frozen=True)
 class ReferenceTable:
     model: str = opt(REQUIRED, trajectory=False,
                      help="the reference model (HF folder, .gguf or alias; same tokenizer as the trained model); "
@@ -188,6 +259,7 @@ class RunConfig:
     lora: Optional[LoraTable] = None
     sft: Optional[SftTable] = None
     preference: Optional[PreferenceTable] = None
+    grpo: Optional[GrpoTable] = None
     reference: Optional[ReferenceTable] = None
     evaluation: Optional[EvaluationTable] = None
     checkpoint: Optional[CheckpointTable] = None
@@ -198,7 +270,8 @@ class RunConfig:
 # table name -> dataclass; the order is the order of the docs and the JSON schema
 TABLES: dict[str, type] = {
     "run": RunTable, "model": ModelTable, "output": OutputTable, "lora": LoraTable,
-    "training": TrainingTable, "sft": SftTable, "preference": PreferenceTable, "reference": ReferenceTable,
+    "training": TrainingTable, "sft": SftTable, "preference": PreferenceTable, "grpo": GrpoTable,
+    "reference": ReferenceTable,
     "evaluation": EvaluationTable,
     "checkpoint": CheckpointTable, "metrics": MetricsTable,
 }

@@ -6,10 +6,15 @@ clip, step, log, evaluate, checkpoint; always write [output].path.
 What differs per algorithm lives in a Task (train/sft.py, train/preference.py):
   rows, rows_per_step, shuffle      what one step consumes (step_description says it in words)
   fingerprints                      data files a resume must find unchanged
-  eval_metric                       the evaluation number best.state minimises ("loss", ...)
+  eval_metric                       the evaluation number best.state minimises ("loss", ...), or
+                                    maximises when eval_higher_is_better (GRPO's mean reward)
   prepare(resume_path)              work before the first step (e.g. scoring the reference once)
-  step(rows) -> metrics             forward + backward of one optimizer step (no optimizer call)
+  step(rows) -> metrics             forward + backward of one optimizer step (no optimizer call);
+                                    `step_index` (steps done before this one) is set first, and
+                                    `optimizer_step()` may be called for extra steps inside (GRPO epochs)
   evaluate() -> metrics             held-out metrics, `eval_metric` among them
+Optional: total_steps (overrides the epoch arithmetic), state_dict()/load_state_dict() (saved in
+the checkpoint's progress), stop_reason (set by step() to end the run early, e.g. stalled GRPO).
 """
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ from retrograd.train.common import (StopRequest, build_optimizer, clip_gradients
 @dataclass
 class TrainResult:
     step: int
-    stopped_by: str  # "done" | "patience" | "signal"
+    stopped_by: str  # "done" | "patience" | "signal" | "stalled"
     output: Path
     exit_code: int = 0
     last_eval_loss: float | None = None
@@ -130,8 +135,16 @@ def run_training(cfg, make_task: Callable[[Setup], object], resume: str | None =
 
     pass_tokens = tr.micro_batch or (512 if device.type == "cpu" else None)
     task = make_task(Setup(cfg, model, loaded.tokenizer, device, loaded, pass_tokens, log))
-    total_steps = tr.max_steps or tr.epochs * steps_per_epoch(len(task.rows), task.rows_per_step)
+    total_steps = (getattr(task, "total_steps", None) or tr.max_steps
+                   or tr.epochs * steps_per_epoch(len(task.rows), task.rows_per_step))
     optimizer = build_optimizer(params, tr)
+
+    def optimizer_step() -> float:
+        grad_norm = clip_gradients(params, tr.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+    task.optimizer_step = optimizer_step
     meta = io.run_meta(cfg, {"model": loaded.fingerprint, **task.fingerprints}, trajectory_settings(cfg), modules)
 
     # ---- progress (fresh, or restored from a checkpoint) --------------------------------------
@@ -141,6 +154,8 @@ def run_training(cfg, make_task: Callable[[Setup], object], resume: str | None =
     task.prepare(resume_path)
     if resume_path:
         progress = io.load_training_state(Path(resume_path), model, optimizer, device)
+        if hasattr(task, "load_state_dict"):
+            task.load_state_dict(progress.get("task") or {})
         log(f"resumed from {resume_path} at step {progress['step']} (epoch {progress['epoch']}, "
             f"row {progress['cursor']} of {len(task.rows)})")
 
@@ -151,6 +166,8 @@ def run_training(cfg, make_task: Callable[[Setup], object], resume: str | None =
     log(f"training {total_steps} steps of {task.step_description}; run folder {run_dir}")
 
     def save(name: str) -> None:
+        if hasattr(task, "state_dict"):
+            progress["task"] = task.state_dict()
         io.save_training_state(Path(ck.directory), name, model, optimizer, progress, meta)
         if gguf_copies:  # a llama.cpp-loadable copy of the adapter beside each LoRA checkpoint
             from peft import get_peft_model_state_dict
@@ -158,6 +175,9 @@ def run_training(cfg, make_task: Callable[[Setup], object], resume: str | None =
                             cfg.lora.alpha, model.config, cfg.lora.dtype)
 
     best_key = f"eval/best_{task.eval_metric}"
+    higher = getattr(task, "eval_higher_is_better", False)
+    if hasattr(task, "start_run"):
+        task.start_run(run_dir, progress["step"])
     stopped_by, last_eval, step = "done", None, progress["step"]
     if ev is not None and step == 0:
         metrics.log(0, task.evaluate())  # the base model's numbers: every curve starts where training began
@@ -179,10 +199,9 @@ def run_training(cfg, make_task: Callable[[Setup], object], resume: str | None =
             lr = lr_at(progress["step"], total_steps, tr.lr, tr.lr_scheduler, tr.warmup_steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
+            task.step_index = progress["step"]
             step_metrics = task.step(rows)
-            grad_norm = clip_gradients(params, tr.max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            grad_norm = optimizer_step()
             progress["step"] += 1
             progress["tokens_seen"] += step_metrics["train/tokens"]
             # the schedule is a pure function of the step; these make the state readable on its own
@@ -204,7 +223,7 @@ def run_training(cfg, make_task: Callable[[Setup], object], resume: str | None =
                 eval_metrics = task.evaluate()
                 last_eval = eval_metrics[f"eval/{task.eval_metric}"]
                 best = progress["best_eval"]
-                improved = best is None or last_eval < best - ev.min_delta
+                improved = best is None or (last_eval > best + ev.min_delta if higher else last_eval < best - ev.min_delta)
                 if improved:
                     progress["best_eval"], progress["stale_evals"] = last_eval, 0
                 else:
@@ -216,6 +235,8 @@ def run_training(cfg, make_task: Callable[[Setup], object], resume: str | None =
                     stopped_by = "patience"
 
             # ---- step checkpoints, stop requests ----
+            if getattr(task, "stop_reason", None):
+                stopped_by = "stalled"
             if stop.signal is not None:
                 stopped_by = "signal"
             periodic = ck is not None and ck.every_steps and step % ck.every_steps == 0
@@ -226,9 +247,13 @@ def run_training(cfg, make_task: Callable[[Setup], object], resume: str | None =
 
     if stopped_by == "patience":
         metrics.print(f"early stop at step {step}: no eval improvement in {ev.patience} evaluations")
+    elif stopped_by == "stalled":
+        metrics.print(f"stopped at step {step}: {task.stop_reason}")
     elif stopped_by == "signal":
         metrics.print(f"stopped at step {step}" + ("; continue with --resume" if ck else ""))
     out = save_output(model, loaded.tokenizer, cfg)
     metrics.print(f"wrote {out}")
-    metrics.close({"done": "finished", "patience": "early_stopped", "signal": "stopped"}[stopped_by])
+    metrics.close({"done": "finished", "patience": "early_stopped", "signal": "stopped", "stalled": "stalled"}[stopped_by])
+    if hasattr(task, "close"):
+        task.close()
     return TrainResult(progress["step"], stopped_by, out, stop.exit_code, last_eval)

@@ -1,0 +1,106 @@
+"""The in-process sampler: batched, KV-cached generation on the live policy.
+
+All prompts of an update are prefilled together once (left-padded, explicit position ids), the
+cache is then repeated group_size times so a group shares its prompt's prefill, and every decode
+step runs the whole batch one token forward. A sequence stops at its first EOS (or stop string);
+what the batch computes after that is never returned, so nothing after EOS is trained.
+
+Convention for the returned log-probabilities: `behaviour_logprobs` are under the distribution
+that was actually sampled (temperature, top-k, top-p applied). Training uses the policy's plain
+(T = 1) log-probabilities of the same tokens from a teacher-forced forward; with temperature 1 and
+no top-k / top-p the two agree, which the tests check.
+
+Randomness comes only from the `generator` passed in (seeded per update by the caller), so the
+same seed gives the same completions and a resumed run samples exactly what the straight run did.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Samples:
+    prompt_index: list[int]  # which prompt each completion belongs to (groups are contiguous)
+    completion_ids: list[list[int]]  # sampled tokens, up to and including EOS
+    behaviour_logprobs: list[list[float]]
+    truncated: list[bool]  # used every max_new_tokens without EOS / stop string
+    generated_tokens: int  # tokens the batch decoded (what sampling tokens/s counts)
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """[B, V] raw logits -> logits of the sampling distribution (-inf outside top-k / top-p)."""
+    logits = logits.float() / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the tokens strictly more likely than it already reach top_p
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+@torch.no_grad()
+def sample(model, prompts: list[list[int]], group_size: int, max_new_tokens: int, *, eos_ids: set[int],
+           pad_id: int, generator: torch.Generator | None, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+           stop=None) -> Samples:
+    """`stop(completion_ids) -> int | None`: optional stop-string check, returning how many tokens to keep.
+    temperature = 0 decodes greedily (no generator needed)."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    n_prompts, width = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((n_prompts, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((n_prompts, width), dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding: every prompt ends at the same column
+        ids[i, width - len(p):] = torch.tensor(p)
+        attention[i, width - len(p):] = 1
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    ids, attention, positions = ids.to(device), attention.to(device), positions.to(device)
+    out = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1)
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(group_size)
+    logits = out.logits[:, -1].repeat_interleave(group_size, 0)  # [B, V]
+    attention = attention.repeat_interleave(group_size, 0)
+    next_pos = positions[:, -1:].repeat_interleave(group_size, 0) + 1  # [B, 1]
+
+    batch = n_prompts * group_size
+    tokens = torch.empty((batch, max_new_tokens), dtype=torch.long)
+    logps = torch.empty((batch, max_new_tokens), dtype=torch.float32)
+    lengths = torch.full((batch,), max_new_tokens, dtype=torch.long)
+    done = torch.zeros(batch, dtype=torch.bool)
+    eos = torch.tensor(sorted(eos_ids), dtype=torch.long)
+    steps = 0
+    for t in range(max_new_tokens):
+        if temperature == 0:  # greedy (evaluation): the most likely token, log-probability 0
+            tok = logits.argmax(-1).cpu()
+            logps[:, t] = 0.0
+        else:
+            dist = filter_logits(logits, temperature, top_k, top_p)
+            logp_all = torch.log_softmax(dist, -1).cpu()
+            tok = torch.multinomial(logp_all.exp(), 1, generator=generator).squeeze(1)  # [B]
+            logps[:, t] = logp_all.gather(1, tok[:, None]).squeeze(1)
+        tokens[:, t] = tok
+        steps += 1
+        finished_now = ~done & torch.isin(tok, eos)
+        lengths[finished_now] = t + 1
+        done |= finished_now
+        if stop is not None:
+            for i in torch.nonzero(~done).flatten().tolist():
+                keep = stop(tokens[i, :t + 1].tolist())
+                if keep is not None:
+                    lengths[i], done[i] = keep, True
+        if bool(done.all()) or t == max_new_tokens - 1:
+            break
+        attention = torch.cat([attention, torch.ones((batch, 1), dtype=attention.dtype, device=device)], 1)
+        out = model(input_ids=tok[:, None].to(device), attention_mask=attention, position_ids=next_pos,
+                    past_key_values=cache, use_cache=True)
+        cache, logits, next_pos = out.past_key_values, out.logits[:, -1], next_pos + 1
+    model.train(was_training)
+    n = lengths.tolist()
+    return Samples([i // group_size for i in range(batch)], [tokens[i, :n[i]].tolist() for i in range(batch)],
+                   [logps[i, :n[i]].tolist() for i in range(batch)], (~done).tolist(), steps * batch)

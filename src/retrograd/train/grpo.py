@@ -1,0 +1,346 @@
+"""GRPO with verifiable rewards as a Task of the shared loop (train/loop.py).
+
+One optimizer step of the loop is one update:
+  1. sample group_size completions for each of the update's prompts with the live policy
+     (rl/sampler.py; seeded by sampling.seed and the update number, so a resume samples the same);
+  2. score them with the reward functions (rl/rewards.py), add the overlong penalty, compute group
+     advantages (algorithms/policy.py); groups without signal (all rewards equal) are dropped,
+     or re-drawn with dynamic sampling;
+  3. teacher-force prompt + completion through the policy (fused head, per-token log-probs at T = 1),
+     and take grpo_epochs steps of the clipped surrogate (+ beta * k3 KL to the reference, the
+     adapter disabled or [reference], scored without gradient when beta > 0). The first epoch's
+     log-probs, detached, are the "old" policy's: the ratio is exactly 1 on-policy.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from retrograd.algorithms.policy import group_advantages, overlong_penalty, policy_loss, zero_signal_groups
+from retrograd.algorithms.sft import IGNORE, linear_token_logprobs, select_targets
+from retrograd.checkpoint.fingerprint import fingerprint_path
+from retrograd.data.prompts import load_prompts
+from retrograd.data.sampler import evenly_spaced
+from retrograd.data.sft import resolve_data_path
+from retrograd.rl.rewards import build_rewards
+from retrograd.rl.sampler import sample
+from retrograd.train.loop import Setup, TrainResult, run_training
+from retrograd.train.sft import CE_CHUNK_ROWS, TokenLoss
+
+
+class TokenLogprobs(TokenLoss):
+    """Per-token log-probabilities of each row's completion: batch -> [B, Tc] (0 beyond each
+    completion), through the fused chunked head."""
+
+    def __call__(self, batch: dict, width: int) -> torch.Tensor:
+        labels = batch["labels"]
+        keep = labels[:, 1:] != IGNORE  # [B, T-1]
+        rows = torch.arange(labels.shape[0], device=labels.device)[:, None].expand_as(keep)[keep]
+        cols = (keep.cumsum(1) - 1)[keep]  # position within the completion
+        if self.fused:
+            h, y = select_targets(self.hidden(batch), labels)
+            logp = linear_token_logprobs(h, self.head.weight, y, chunk_size=CE_CHUNK_ROWS)
+        else:
+            lp = torch.log_softmax(self.logits(batch)[:, :-1].float(), -1)
+            logp = lp.gather(-1, labels[:, 1:].clamp(min=0)[..., None]).squeeze(-1)[keep]
+        return torch.zeros(labels.shape[0], width, dtype=logp.dtype, device=logp.device).index_put((rows, cols), logp)
+
+
+def _collate(seqs: list[tuple[list[int], list[int]]], pad_id: int) -> dict:
+    """(prompt ids, completion ids) -> right-padded input_ids / labels (completion only) / mask."""
+    width = max(len(p) + len(c) for p, c in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(seqs), width), IGNORE, dtype=torch.long)
+    attention = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, (p, c) in enumerate(seqs):
+        n = len(p) + len(c)
+        ids[i, :n] = torch.tensor(p + c)
+        labels[i, len(p):n] = torch.tensor(c)
+        attention[i, :n] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": attention if bool((attention == 0).any()) else None}
+
+
+def _passes(lengths: list[int], budget: int | None) -> list[list[int]]:
+    """Indices split into passes whose padded size (rows x longest) fits the token budget."""
+    if not budget:
+        return [list(range(len(lengths)))]
+    out, cur, width = [], [], 0
+    for i, n in enumerate(lengths):
+        w = max(width, n)
+        if cur and w * (len(cur) + 1) > budget:
+            out.append(cur)
+            cur, w = [], n
+        cur.append(i)
+        width = w
+    return out + ([cur] if cur else [])
+
+
+class GrpoTask:
+    eval_metric = "mean_reward"
+    eval_higher_is_better = True
+
+    def __init__(self, s: Setup):
+        cfg, g = s.cfg, s.cfg.grpo
+        sp = g.sampling
+        self.s, self.cfg, self.g, self.sp = s, cfg, g, sp
+        tok = s.tokenizer
+        self.rows = load_prompts(g.prompts, tok, cfg.training.ctx, sp.max_new_tokens, g.template_variables)
+        self.eval_rows = []
+        if cfg.evaluation is not None:
+            ev_all = load_prompts(cfg.evaluation.data, tok, cfg.training.ctx, sp.max_new_tokens, g.template_variables)
+            self.eval_rows = [ev_all[i] for i in evenly_spaced(len(ev_all), cfg.evaluation.max_examples)]
+        s.log(f"data: {len(self.rows)} prompts" + (f", {len(self.eval_rows)} evaluation prompts" if self.eval_rows else ""))
+        command = ({"command": g.reward_command, "mode": g.reward_mode, "timeout_seconds": g.reward_timeout_seconds}
+                   if g.reward_command else None)
+        self.rewards = build_rewards(g.rewards, Path(cfg.source).parent, command)
+        self.rows_per_step = g.prompts_per_update
+        self.shuffle = g.prompt_order == "shuffled"
+        self.total_steps = g.updates
+        self.step_description = (f"{g.prompts_per_update} prompts x {g.group_size} completions "
+                                 f"(<= {sp.max_new_tokens} tokens)")
+        self.fingerprints = {"data": fingerprint_path(resolve_data_path(g.prompts))}
+        if cfg.evaluation is not None:
+            self.fingerprints["eval_data"] = fingerprint_path(resolve_data_path(cfg.evaluation.data))
+        eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+        gen_eos = getattr(getattr(s.model, "generation_config", None), "eos_token_id", None)
+        eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+        self.eos_ids = eos
+        self.logprobs = TokenLogprobs(s.model)
+        self.kl_multiplier, self.stalled = 1.0, 0
+        self.stop_reason = None
+        self.reference = None
+        self.completions_file = None
+
+    # ---- state kept in checkpoints ---------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"kl_multiplier": self.kl_multiplier, "stalled": self.stalled}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.kl_multiplier, self.stalled = d.get("kl_multiplier", 1.0), d.get("stalled", 0)
+
+    def prepare(self, resume_path) -> None:
+        if self.cfg.reference is not None and self.g.kl_coefficient > 0:
+            from retrograd.models.load import load_model
+            ref = load_model(self.cfg.reference.model, self.cfg.model.dtype, log=self.s.log)
+            if ref.tokenizer.get_vocab() != self.s.tokenizer.get_vocab():
+                from retrograd.errors import ConfigError
+                raise ConfigError(f"reference.model {self.cfg.reference.model}: its tokenizer differs from the "
+                                  "trained model's")
+            self.reference = TokenLogprobs(ref.model.to(self.s.device).eval())
+
+    def start_run(self, run_dir: Path, step: int) -> None:
+        """completions.jsonl in the run folder; on resume the rows after the resumed step are dropped."""
+        path = run_dir / "completions.jsonl"
+        if path.exists():
+            keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+            path.write_text("".join(line + "\n" for line in keep))
+        self.completions_file = path.open("a", encoding="utf-8")
+
+    def close(self) -> None:
+        if self.completions_file:
+            self.completions_file.close()
+        for r in self.rewards:
+            if hasattr(r.fn, "close"):
+                r.fn.close()
+
+    # ---- sampling and scoring --------------------------------------------------------------------
+    def _stop_check(self):
+        if not self.sp.stop:
+            return None
+        tok, stops = self.s.tokenizer, list(self.sp.stop)
+
+        def check(ids: list[int]):
+            text = tok.decode(ids[-16:], skip_special_tokens=True)
+            return len(ids) if any(st in text for st in stops) else None
+        return check
+
+    def _sample(self, prompts, group_size, seed_offset: int, greedy: bool = False):
+        gen = None if greedy else torch.Generator().manual_seed(self.sp.seed * 1_000_003 + seed_offset)
+        return sample(self.s.model, [p.ids for p in prompts], group_size, self.sp.max_new_tokens,
+                      eos_ids=self.eos_ids, pad_id=self.s.tokenizer.pad_token_id, generator=gen,
+                      temperature=0.0 if greedy else self.sp.temperature, top_k=self.sp.top_k, top_p=self.sp.top_p,
+                      stop=self._stop_check())
+
+    def _score(self, prompts, samples) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[str]]:
+        tok = self.s.tokenizer
+        texts = [tok.decode(c, skip_special_tokens=True) for c in samples.completion_ids]
+        rows = [prompts[i] for i in samples.prompt_index]
+        columns = {k: [r.columns[k] for r in rows] for k in rows[0].columns}
+        per_fn = {}
+        total = torch.zeros(len(texts), dtype=torch.float64)
+        for reward in self.rewards:
+            values = torch.tensor(reward([r.text for r in rows], texts, columns), dtype=torch.float64)
+            per_fn[reward.name] = values
+            total += reward.weight * values
+        if self.g.overlong_penalty is not None:
+            ov = self.g.overlong_penalty
+            lengths = torch.tensor([len(c) for c in samples.completion_ids])
+            per_fn["overlong_penalty"] = overlong_penalty(lengths, self.sp.max_new_tokens, ov.buffer_tokens, ov.max_penalty)
+            total += per_fn["overlong_penalty"]
+        return total, per_fn, texts
+
+    # ---- one update ----------------------------------------------------------------------------
+    def step(self, prompts) -> dict:
+        g, G = self.g, self.g.group_size
+        t0 = time.perf_counter()
+        samples = self._sample(prompts, G, self.step_index)
+        t1 = time.perf_counter()
+        rewards, per_fn, texts = self._score(prompts, samples)
+        t2 = time.perf_counter()
+        groups_sampled = len(prompts)
+        if g.dynamic_sampling is not None:  # re-draw the groups without signal, with fresh seeds
+            for attempt in range(1, g.dynamic_sampling.max_resample_factor):
+                dead = zero_signal_groups(rewards, G).nonzero().flatten().tolist()
+                if not dead:
+                    break
+                redo = [prompts[i] for i in dead]
+                t_s = time.perf_counter()
+                more = self._sample(redo, G, self.step_index + 7919 * attempt * 1_000_000)
+                t_r = time.perf_counter()
+                r2, f2, x2 = self._score(redo, more)
+                t2 += time.perf_counter() - t_r
+                t1 += t_r - t_s
+                groups_sampled += len(redo)
+                for j, i in enumerate(dead):
+                    src, dst = slice(j * G, (j + 1) * G), slice(i * G, (i + 1) * G)
+                    rewards[dst] = r2[src]
+                    for k in per_fn:
+                        per_fn[k][dst] = f2[k][src]
+                    texts[dst] = x2[src]
+                    samples.completion_ids[dst] = more.completion_ids[src]
+                    samples.behaviour_logprobs[dst] = more.behaviour_logprobs[src]
+                    samples.truncated[dst] = more.truncated[src]
+        advantages = group_advantages(rewards, G, g.baseline, g.scale_rewards)
+        dead_groups = zero_signal_groups(rewards, G)
+        live = [i for i in range(len(texts)) if not dead_groups[i // G]
+                and not (g.mask_truncated and samples.truncated[i])]
+        metrics = self._rollout_metrics(rewards, per_fn, samples, dead_groups, groups_sampled, t1 - t0, t2 - t1)
+        self._log_completions(prompts, samples, texts, rewards, advantages)
+        if not live:
+            self.stalled += 1
+            if g.max_stalled_updates and self.stalled >= g.max_stalled_updates:
+                self.stop_reason = f"{self.stalled} updates in a row without learning signal (grpo.max_stalled_updates)"
+            metrics.update({"train/loss": 0.0, "train/tokens": 0, "time/training_s": 0.0})
+            return metrics
+        self.stalled = 0
+        t3 = time.perf_counter()
+        metrics.update(self._train(prompts, samples, advantages, live))
+        metrics["time/training_s"] = time.perf_counter() - t3
+        return metrics
+
+    def _beta(self) -> float:
+        g = self.g
+        beta = g.kl_coefficient * self.kl_multiplier
+        if g.kl_schedule is not None and g.kl_schedule.warmup_updates:
+            beta *= min(1.0, (self.step_index + 1) / g.kl_schedule.warmup_updates)
+        return beta
+
+    def _train(self, prompts, samples, advantages, live) -> dict:
+        s, g, sp = self.s, self.g, self.sp
+        seqs = [(prompts[samples.prompt_index[i]].ids, samples.completion_ids[i]) for i in live]
+        adv = advantages[live]
+        width = max(len(c) for _, c in seqs)
+        passes = _passes([len(p) + len(c) for p, c in seqs], s.pass_tokens)
+        n_tok = sum(len(c) for _, c in seqs)
+        denominator = {"token": n_tok, "constant": len(seqs) * sp.max_new_tokens, "sequence": len(seqs)}[g.loss_normalisation]
+        beta = self._beta()
+        ref_logp = {}
+        if beta > 0:  # the reference: the adapter disabled, or [reference]
+            with torch.no_grad():
+                for k, idx in enumerate(passes):
+                    batch = self._batch([seqs[i] for i in idx])
+                    if self.reference is not None:
+                        ref_logp[k] = self.reference(batch, width)
+                    else:
+                        with s.model.disable_adapter():
+                            ref_logp[k] = self.logprobs(batch, width)
+        old = {}
+        stats_all = []
+        loss_total = 0.0
+        for epoch in range(g.grpo_epochs):
+            for k, idx in enumerate(passes):
+                batch = self._batch([seqs[i] for i in idx])
+                logp = self.logprobs(batch, width)  # [b, width]
+                mask = (batch["labels"][:, 1:] != IGNORE).sum(1)[:, None] > torch.arange(width)[None, :]
+                if epoch == 0:
+                    old[k] = logp.detach()
+                loss, st = policy_loss(logp, old[k], adv[idx], mask, clip_low=g.clip_range_low,
+                                       clip_high=g.clip_range_high, level=g.importance_sampling_level,
+                                       normalisation=g.loss_normalisation, max_new_tokens=sp.max_new_tokens,
+                                       ref_logp=ref_logp.get(k), beta=beta, denominator=denominator)
+                loss.backward()
+                loss_total += float(loss.detach()) / g.grpo_epochs
+                stats_all.append(st)
+            if epoch < g.grpo_epochs - 1:
+                self.optimizer_step()
+        out = {"train/loss": loss_total, "policy/loss": loss_total,
+               "train/tokens": sum(len(p) + len(c) for p, c in seqs) * g.grpo_epochs, "policy/beta": beta}
+        tok_w = torch.tensor([float(st["tokens"]) for st in stats_all])
+        for key in ("clip_fraction", "ratio_mean", "kl"):
+            vals = [float(st[key]) for st in stats_all if key in st]
+            if vals:
+                out[f"policy/{key}"] = float((torch.tensor(vals) * tok_w[:len(vals)]).sum() / tok_w[:len(vals)].sum())
+        out["policy/ratio_max"] = max(float(st["ratio_max"]) for st in stats_all)
+        out["policy/ratio_min"] = min(float(st["ratio_min"]) for st in stats_all)
+        if "policy/kl" in out and g.kl_schedule is not None and g.kl_schedule.target:
+            target = g.kl_schedule.target  # adaptive: chase the target KL
+            if out["policy/kl"] > 1.5 * target:
+                self.kl_multiplier *= 1.5
+            elif out["policy/kl"] < target / 1.5:
+                self.kl_multiplier /= 1.5
+        return out
+
+    def _batch(self, seqs) -> dict:
+        return {k: (v.to(self.s.device) if v is not None else None)
+                for k, v in _collate(seqs, self.s.tokenizer.pad_token_id).items()}
+
+    # ---- metrics, completions log, evaluation ----------------------------------------------------
+    def _rollout_metrics(self, rewards, per_fn, samples, dead_groups, groups_sampled, t_sample, t_reward) -> dict:
+        lengths = torch.tensor([len(c) for c in samples.completion_ids], dtype=torch.float64)
+        sampled_logp = [x for lp in samples.behaviour_logprobs for x in lp]
+        m = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+             "reward/min": float(rewards.min()), "reward/max": float(rewards.max()),
+             "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+             "completions/max_length": float(lengths.max()),
+             "completions/truncation_fraction": sum(samples.truncated) / len(samples.truncated),
+             "batch/zero_std_group_fraction": float(dead_groups.double().mean()),
+             "batch/groups_sampled": groups_sampled,
+             "policy/entropy": -sum(sampled_logp) / max(1, len(sampled_logp)),
+             "time/sampling_s": t_sample, "time/reward_s": t_reward,
+             "system/sampling_tokens_per_second": samples.generated_tokens / max(t_sample, 1e-9)}
+        for name, v in per_fn.items():
+            m[f"reward/{name}/mean"] = float(v.mean())
+        return m
+
+    def _log_completions(self, prompts, samples, texts, rewards, advantages) -> None:
+        every = self.g.log_completions_every
+        if not self.completions_file or not every or (self.step_index + 1) % every:
+            return
+        for i, text in enumerate(texts):
+            row = {"step": self.step_index + 1, "prompt": prompts[samples.prompt_index[i]].text, "completion": text,
+                   "reward": float(rewards[i]), "advantage": float(advantages[i]), "tokens": len(samples.completion_ids[i]),
+                   "truncated": samples.truncated[i]}
+            self.completions_file.write(json.dumps(row, ensure_ascii=False) + "\n")
+        self.completions_file.flush()
+
+    def evaluate(self) -> dict:
+        """Greedy completions of the evaluation prompts, scored by the same rewards."""
+        total, per, n = 0.0, {}, 0
+        for i in range(0, len(self.eval_rows), 16):
+            chunk = self.eval_rows[i:i + 16]
+            samples = self._sample(chunk, 1, 0, greedy=True)
+            rewards, per_fn, _ = self._score(chunk, samples)
+            total += float(rewards.sum())
+            n += len(chunk)
+            for k, v in per_fn.items():
+                per[k] = per.get(k, 0.0) + float(v.sum())
+        out = {"eval/mean_reward": total / max(1, n)}
+        out.update({f"eval/reward/{k}": v / max(1, n) for k, v in per.items()})
+        return out
+
+
+def train_grpo(cfg, resume: str | None = None, log=print) -> TrainResult:
+    return run_training(cfg, GrpoTask, resume, log)
