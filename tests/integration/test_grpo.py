@@ -108,3 +108,13 @@ def test_a_failing_reward_stops_the_run_naming_it(tmp_path, tiny_model, cli):
                                               "    return [float('nan')] * len(completions)\n")
     proc = cli("train", cfg, check=2)
     assert "reward 'tiny_rewards:share_of_lowercase' returned nan for the completion of prompt" in proc.stderr
+
+
+def test_eval_reports_mean_reward_base_and_trained(tmp_path, tiny_model, cli):
+    cfg = write_grpo_run(tmp_path, tiny_model, '[evaluation]\ndata = "prompts.jsonl"', updates=2)
+    cli("train", cfg, check=0)
+    out = json.loads(cli("eval", cfg, "--json", check=0).stdout)
+    assert out["prompts"] == 12 and out["trained_from"].endswith("adapter")
+    assert 0 <= out["base/mean_reward"] <= 1 and "trained/tiny_rewards:share_of_lowercase/mean" in out
+    evals = [r for r in rows(tmp_path) if "eval/mean_reward" in r]
+    assert out["trained/mean_reward"] == pytest.approx(evals[-1]["eval/mean_reward"], abs=1e-9)

@@ -80,7 +80,8 @@ def test_required_keys_and_tables(tmp_path):
 def test_algorithm_tables_must_match(tmp_path):
     msg = error_of(tmp_path, BASE + '\n[grpo]\nupdates = 3\n')
     assert "[grpo] does not apply to run.algorithm = 'sft'" in msg
-    assert "not available in this version" in error_of(tmp_path, BASE.replace('"sft"', '"grpo"'))
+    assert "not available in this version" in error_of(tmp_path, BASE.replace('"sft"', '"ppo"'))
+    assert "needs a [grpo] table" in error_of(tmp_path, BASE.replace('"sft"', '"grpo"').split('[sft]')[0])
 
 
 def test_checkpoint_cross_checks(tmp_path):
@@ -134,7 +135,7 @@ def test_gguf_output_and_full_with_lora_are_refused_clearly(tmp_path):
 def test_json_schema_lists_every_table_and_key():
     from retrograd.config.load import json_schema
     s = json_schema()
-    assert set(s["properties"]) == {"run", "model", "output", "lora", "training", "sft", "preference", "reference",
+    assert set(s["properties"]) == {"run", "model", "output", "lora", "training", "sft", "preference", "grpo", "reference",
                                     "evaluation", "checkpoint", "metrics"}
     assert s["properties"]["preference"]["properties"]["loss"]["enum"] == ["dpo", "ipo", "simpo", "orpo"]
     lr = s["properties"]["training"]["properties"]["lr"]

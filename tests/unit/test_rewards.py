@@ -111,3 +111,9 @@ def test_command_oneshot(tmp_path):
     (tmp_path / "few.py").write_text("import sys\nsys.stdin.read()\nprint('{\"reward\": 1}')\n")
     with pytest.raises(RewardError, match="exited"):
         score([{"type": "command", "command": [sys.executable, "few.py"], "mode": "oneshot"}], ["a", "b"], tmp_path)
+
+
+def test_math_reward_uses_math_verify(tmp_path):
+    got, = score([{"type": "math"}], ["so the answer is $\\frac{1}{2}$", "x = 0.4", "\\boxed{0.5}"], tmp_path,
+                 ["1/2", "1/2", "1/2"])
+    assert got == [1.0, 0.0, 1.0]

@@ -44,9 +44,11 @@ def test_same_seed_same_completions_and_greedy(tiny_model):
 
 def test_eos_stops_each_sequence(tiny_model):
     model, tok, prompts = _setup(tiny_model)
-    # make one token overwhelmingly likely after anything, and call it EOS
+    # a bias on the head makes token 42 overwhelmingly likely after anything; call it EOS
+    head = model.get_output_embeddings()
+    head.bias = torch.nn.Parameter(torch.zeros(head.weight.shape[0]))
     with torch.no_grad():
-        model.lm_head.weight[42] += 50 * model.model.norm.weight.sign() if hasattr(model, "lm_head") else 0
+        head.bias[42] = 100.0
     s = sample(model, prompts, 2, 6, eos_ids={42}, pad_id=tok.pad_token_id, generator=torch.Generator().manual_seed(0))
     assert all(c == [42] for c in s.completion_ids) and s.truncated == [False] * 4
 
@@ -60,3 +62,13 @@ def test_top_k_and_top_p():
     assert torch.isfinite(keep[0, :2]).all() and torch.isinf(keep[0, 2:]).all()
     assert torch.isfinite(filter_logits(logits, 1.0, 0, float(p[0]) - 0.01)[0, :1]).all()
     assert math.isclose(float(filter_logits(logits, 2.0, 0, 1.0)[0, 0]), 1.0)
+
+
+def test_draw_follows_the_distribution_and_never_picks_a_zero():
+    from retrograd.rl.sampler import draw
+    probs = torch.tensor([[0.5, 0.0, 0.3, 0.2]]).repeat(20000, 1)
+    got = draw(probs, torch.Generator().manual_seed(0))
+    freq = torch.bincount(got, minlength=4).double() / len(got)
+    assert freq[1] == 0 and torch.allclose(freq, probs[0].double(), atol=0.015)
+    again = draw(probs, torch.Generator().manual_seed(0))
+    assert torch.equal(got, again)

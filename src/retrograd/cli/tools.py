@@ -93,6 +93,55 @@ def _eval_preference(cfg, model, tok, label, data, as_json) -> int:
     return 0
 
 
+def _eval_grpo(cfg, model, tok, label, data, as_json) -> int:
+    """Mean reward of greedy completions of the evaluation prompts, base and trained."""
+    from retrograd.data.prompts import load_prompts
+    from retrograd.rl.rewards import build_rewards
+    from retrograd.rl.sampler import sample
+    g = cfg.grpo
+    prompts = load_prompts(data, tok, cfg.training.ctx, g.sampling.max_new_tokens, g.template_variables)
+    command = ({"command": g.reward_command, "mode": g.reward_mode, "timeout_seconds": g.reward_timeout_seconds}
+               if g.reward_command else None)
+    rewards = build_rewards(g.rewards, Path(cfg.source).parent, command)
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos = {tok.eos_token_id} | set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+    eos.discard(None)
+
+    def mean_reward() -> dict:
+        total, per = 0.0, {r.name: 0.0 for r in rewards}
+        for i in range(0, len(prompts), 16):
+            chunk = prompts[i:i + 16]
+            s = sample(model, [p.ids for p in chunk], 1, g.sampling.max_new_tokens, eos_ids=eos,
+                       pad_id=tok.pad_token_id, generator=None, temperature=0.0)
+            texts = [tok.decode(c, skip_special_tokens=True) for c in s.completion_ids]
+            columns = {k: [p.columns[k] for p in chunk] for k in chunk[0].columns}
+            for r in rewards:
+                values = r([p.text for p in chunk], texts, columns)
+                per[r.name] += sum(values)
+                total += r.weight * sum(values)
+        return {"mean_reward": total / len(prompts), **{f"{k}/mean": v / len(prompts) for k, v in per.items()}}
+
+    with (model.disable_adapter() if label else nullcontext()):
+        results = {"base": mean_reward()}
+    if label:
+        results["trained"] = mean_reward()
+    for r in rewards:
+        if hasattr(r.fn, "close"):
+            r.fn.close()
+    out = {"data": str(data), "prompts": len(prompts), "trained_from": label,
+           **{f"{side}/{k}": v for side, d in results.items() for k, v in d.items()}}
+    if as_json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"{len(prompts)} prompts of {data}, greedy completions")
+    for side, d in results.items():
+        print(f"{side:10s} mean reward {d['mean_reward']:.4f}  "
+              + "  ".join(f"{k} {v:.3f}" for k, v in d.items() if k != "mean_reward"))
+    if label:
+        print(f"trained = {label}")
+    return 0
+
+
 def run_eval(cfg, adapter=None, checkpoint=None, data=None, as_json=False) -> int:
     from retrograd.data.sft import Renderer, load_examples
     from retrograd.train.sft import TokenLoss, evaluate
@@ -102,6 +151,8 @@ def run_eval(cfg, adapter=None, checkpoint=None, data=None, as_json=False) -> in
     model, tok, label = load_models(cfg, adapter, checkpoint)
     if cfg.run.algorithm == "preference":
         return _eval_preference(cfg, model, tok, label, data, as_json)
+    if cfg.run.algorithm == "grpo":
+        return _eval_grpo(cfg, model, tok, label, data, as_json)
     rows = load_examples(data, cfg.sft.data_format, Renderer(tok, cfg.training.ctx, cfg.sft.assistant_only_loss,
                                                              cfg.sft.template_variables))
     loss_fn = TokenLoss(model)

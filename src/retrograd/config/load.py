@@ -368,29 +368,32 @@ def _toml_value(v: Any) -> str:
     raise TypeError(v)
 
 
+def _table_schema(cls) -> dict:
+    py = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
+    hints = get_type_hints(cls)
+    tprops, required = {}, []
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if get_origin(tp) is Union:
+            tp = [a for a in get_args(tp) if a is not type(None)][0]
+        p = {"type": py.get(tp, "string"), "description": f.metadata["help"]}
+        if f.metadata["choices"]:
+            p["enum"] = list(f.metadata["choices"])
+        if f.metadata["min"] is not None:
+            p["exclusiveMinimum" if f.metadata["min_exclusive"] else "minimum"] = f.metadata["min"]
+        if f.metadata["max"] is not None:
+            p["exclusiveMaximum" if f.metadata["max_exclusive"] else "maximum"] = f.metadata["max"]
+        if f.metadata["required"]:
+            required.append(f.name)
+        tprops[f.name] = p
+    return {"type": "object", "properties": tprops, "required": required, "additionalProperties": False}
+
+
 def json_schema() -> dict:
     """A JSON Schema of run.toml, for editor completion (`retrograd config-schema`)."""
-    py = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
-    props = {}
-    for name, cls in schema.TABLES.items():
-        hints = get_type_hints(cls)
-        tprops, required = {}, []
-        for f in dataclasses.fields(cls):
-            tp = hints[f.name]
-            if get_origin(tp) is Union:
-                tp = [a for a in get_args(tp) if a is not type(None)][0]
-            p = {"type": py.get(tp, "string"), "description": f.metadata["help"]}
-            if f.metadata["choices"]:
-                p["enum"] = list(f.metadata["choices"])
-            if f.metadata["min"] is not None:
-                p["exclusiveMinimum" if f.metadata["min_exclusive"] else "minimum"] = f.metadata["min"]
-            if f.metadata["max"] is not None:
-                p["exclusiveMaximum" if f.metadata["max_exclusive"] else "maximum"] = f.metadata["max"]
-            if f.metadata["required"]:
-                required.append(f.name)
-            tprops[f.name] = p
-        props[name] = {"type": "object", "properties": tprops, "required": required,
-                       "additionalProperties": False}
+    props = {name: _table_schema(cls) for name, cls in schema.TABLES.items()}
+    for key, cls in schema.GRPO_SUBTABLES.items():  # [grpo.sampling] etc.
+        props["grpo"]["properties"][key] = {**_table_schema(cls), "description": props["grpo"]["properties"][key]["description"]}
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "retrograd run.toml",
             "type": "object", "properties": props, "required": ["run", "model", "output"],
             "additionalProperties": False}

@@ -90,13 +90,17 @@ def match_reward(column: str = "answer", extract: str = "last_number"):
     return match
 
 
-def math_reward(column: str = "answer", timeout_seconds: float = 5.0):
+def math_reward(column: str = "answer", timeout_seconds: int = 5):
     try:
         from math_verify import parse, verify
     except ImportError:
         raise ConfigError("reward type 'math' needs math-verify: pip install 'retrograd[math]'") from None
 
+    timeout_seconds = max(1, int(timeout_seconds))  # math-verify's alarm takes whole seconds
+
     def math_equiv(prompts, completions, **columns):
+        if column not in columns:
+            raise RewardError(f"reward 'math' needs a '{column}' field in every prompt row")
         out = []
         for c, a in zip(completions, columns[column]):
             gold, pred = parse(str(a), parsing_timeout=timeout_seconds), parse(c, parsing_timeout=timeout_seconds)

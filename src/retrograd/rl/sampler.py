@@ -44,6 +44,15 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     return logits
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of probs [B, V] by inverse-CDF: one uniform per row against the running sum.
+    torch.multinomial draws an exponential per vocabulary entry (~30 ms for 32 x 49k on 2 cores, a
+    sixth of a decode step); this costs one cumsum. A token of probability 0 is never drawn."""
+    cdf = probs.cumsum(-1)  # [B, V]
+    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=probs.shape[1] - 1)
+
+
 @torch.no_grad()
 def sample(model, prompts: list[list[int]], group_size: int, max_new_tokens: int, *, eos_ids: set[int],
            pad_id: int, generator: torch.Generator | None, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
@@ -82,7 +91,7 @@ def sample(model, prompts: list[list[int]], group_size: int, max_new_tokens: int
         else:
             dist = filter_logits(logits, temperature, top_k, top_p)
             logp_all = torch.log_softmax(dist, -1).cpu()
-            tok = torch.multinomial(logp_all.exp(), 1, generator=generator).squeeze(1)  # [B]
+            tok = draw(logp_all.exp(), generator)  # [B]
             logps[:, t] = logp_all.gather(1, tok[:, None]).squeeze(1)
         tokens[:, t] = tok
         steps += 1

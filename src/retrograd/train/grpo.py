@@ -241,7 +241,7 @@ class GrpoTask:
     def _train(self, prompts, samples, advantages, live) -> dict:
         s, g, sp = self.s, self.g, self.sp
         seqs = [(prompts[samples.prompt_index[i]].ids, samples.completion_ids[i]) for i in live]
-        adv = advantages[live]
+        adv = advantages[live].to(s.device)
         width = max(len(c) for _, c in seqs)
         passes = _passes([len(p) + len(c) for p, c in seqs], s.pass_tokens)
         n_tok = sum(len(c) for _, c in seqs)
@@ -264,10 +264,12 @@ class GrpoTask:
             for k, idx in enumerate(passes):
                 batch = self._batch([seqs[i] for i in idx])
                 logp = self.logprobs(batch, width)  # [b, width]
-                mask = (batch["labels"][:, 1:] != IGNORE).sum(1)[:, None] > torch.arange(width)[None, :]
+                n_completion = (batch["labels"][:, 1:] != IGNORE).sum(1)  # [b]
+                mask = n_completion[:, None] > torch.arange(width, device=logp.device)[None, :]
                 if epoch == 0:
                     old[k] = logp.detach()
-                loss, st = policy_loss(logp, old[k], adv[idx], mask, clip_low=g.clip_range_low,
+                pass_adv = adv[torch.tensor(idx, device=adv.device)]
+                loss, st = policy_loss(logp, old[k], pass_adv, mask, clip_low=g.clip_range_low,
                                        clip_high=g.clip_range_high, level=g.importance_sampling_level,
                                        normalisation=g.loss_normalisation, max_new_tokens=sp.max_new_tokens,
                                        ref_logp=ref_logp.get(k), beta=beta, denominator=denominator)
