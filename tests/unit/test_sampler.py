@@ -72,3 +72,23 @@ def test_draw_follows_the_distribution_and_never_picks_a_zero():
     assert freq[1] == 0 and torch.allclose(freq, probs[0].double(), atol=0.015)
     again = draw(probs, torch.Generator().manual_seed(0))
     assert torch.equal(got, again)
+
+
+def test_folded_lora_samples_like_the_adapter_and_restores_the_weights(tiny_model):
+    from retrograd.models.lora import attach_lora
+    from retrograd.rl.sampler import lora_folded
+    model, tok, prompts = _setup(tiny_model)
+    model, _ = attach_lora(model, 4, 8, ["auto"], 0.0, 0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    kw = dict(eos_ids={tok.eos_token_id}, pad_id=tok.pad_token_id)
+    plain = sample(model, prompts, 3, 8, generator=torch.Generator().manual_seed(1), **kw)
+    with lora_folded(model):
+        folded = sample(model, prompts, 3, 8, generator=torch.Generator().manual_seed(1), **kw)
+    assert folded.completion_ids == plain.completion_ids
+    assert max(abs(a - b) for x, y in zip(folded.behaviour_logprobs, plain.behaviour_logprobs)
+               for a, b in zip(x, y)) < 1e-5
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # bit for bit

@@ -26,9 +26,12 @@ from retrograd.data.prompts import load_prompts
 from retrograd.data.sampler import evenly_spaced
 from retrograd.data.sft import resolve_data_path
 from retrograd.rl.rewards import build_rewards
-from retrograd.rl.sampler import sample
+from retrograd.rl.sampler import lora_folded, sample
 from retrograd.train.loop import Setup, TrainResult, run_training
 from retrograd.train.sft import CE_CHUNK_ROWS, TokenLoss
+
+
+SHARED_PROMPT_MODELS = ("llama",)
 
 
 class TokenLogprobs(TokenLoss):
@@ -47,6 +50,43 @@ class TokenLogprobs(TokenLoss):
             lp = torch.log_softmax(self.logits(batch)[:, :-1].float(), -1)
             logp = lp.gather(-1, labels[:, 1:].clamp(min=0)[..., None]).squeeze(-1)[keep]
         return torch.zeros(labels.shape[0], width, dtype=logp.dtype, device=logp.device).index_put((rows, cols), logp)
+
+    def shared_prompts(self, prompts: list[list[int]], completions: list[list[int]], owner: list[int], width: int,
+                       pad_id: int) -> torch.Tensor:
+        """The same [N, width] log-probabilities, with each prompt run once for all its completions
+        (completion i belongs to prompts[owner[i]]): the prompts are prefilled together (left-padded),
+        their keys/values (with their graph) are gathered per completion, and the completions run on
+        top. Gradients reach the prompts' activations through the cache, so the result equals one
+        row per completion (tested), at prompt + completion tokens instead of G x (prompt + completion)."""
+        device = self.head.weight.device
+        n_max_p = max(len(p) for p in prompts)
+        ids_p = torch.full((len(prompts), n_max_p), pad_id, dtype=torch.long, device=device)
+        attention_p = torch.zeros((len(prompts), n_max_p), dtype=torch.long, device=device)
+        for i, p in enumerate(prompts):  # left padding: every prompt ends in the last column
+            ids_p[i, n_max_p - len(p):] = torch.tensor(p, device=device)
+            attention_p[i, n_max_p - len(p):] = 1
+        positions_p = (attention_p.cumsum(-1) - 1).clamp(min=0)
+        out = self.decoder(input_ids=ids_p, attention_mask=attention_p, position_ids=positions_p, use_cache=True)
+        rows = torch.tensor(owner, device=device)
+        cache = out.past_key_values
+        cache.reorder_cache(rows)  # index_select per layer: differentiable
+        last = out.last_hidden_state[rows, -1:]  # [N, 1, H]
+        n, n_max = len(completions), max(len(c) for c in completions)
+        ids = torch.full((n, n_max), pad_id, dtype=torch.long, device=device)
+        keep = torch.zeros((n, n_max), dtype=torch.bool, device=device)
+        for i, c in enumerate(completions):
+            ids[i, :len(c)] = torch.tensor(c, device=device)
+            keep[i, :len(c)] = True
+        attention = torch.cat([attention_p[rows], keep.long()], dim=1)
+        positions = positions_p[rows, -1:] + 1 + torch.arange(n_max, device=device)[None]
+        hidden = self.decoder(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
+                              use_cache=False).last_hidden_state  # [N, n_max, H]
+        # token j of a completion is predicted from the position before it: the prompt's last for j = 0
+        before = torch.cat([last, hidden[:, :-1]], dim=1)  # [N, n_max, H]
+        logp = linear_token_logprobs(before[keep], self.head.weight, ids[keep], chunk_size=CE_CHUNK_ROWS)
+        r = torch.arange(n, device=device)[:, None].expand_as(keep)[keep]
+        c = torch.arange(n_max, device=device)[None].expand_as(keep)[keep]
+        return torch.zeros(n, width, dtype=logp.dtype, device=device).index_put((r, c), logp)
 
 
 def _collate(seqs: list[tuple[list[int], list[int]]], pad_id: int) -> dict:
@@ -109,6 +149,9 @@ class GrpoTask:
         eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
         self.eos_ids = eos
         self.logprobs = TokenLogprobs(s.model)
+        # a group's completions share their prompt's forward in training (prompts are often most of
+        # the tokens); checked equal to one row per completion on llama-architecture models
+        self.share_prompts = self.logprobs.fused and s.model.config.model_type in SHARED_PROMPT_MODELS
         self.kl_multiplier, self.stalled = 1.0, 0
         self.stop_reason = None
         self.reference = None
@@ -159,10 +202,11 @@ class GrpoTask:
 
     def _sample(self, prompts, group_size, seed_offset: int, greedy: bool = False):
         gen = None if greedy else torch.Generator().manual_seed(self.sp.seed * 1_000_003 + seed_offset)
-        return sample(self.s.model, [p.ids for p in prompts], group_size, self.sp.max_new_tokens,
-                      eos_ids=self.eos_ids, pad_id=self.s.tokenizer.pad_token_id, generator=gen,
-                      temperature=0.0 if greedy else self.sp.temperature, top_k=self.sp.top_k, top_p=self.sp.top_p,
-                      stop=self._stop_check())
+        with lora_folded(self.s.model):
+            return sample(self.s.model, [p.ids for p in prompts], group_size, self.sp.max_new_tokens,
+                          eos_ids=self.eos_ids, pad_id=self.s.tokenizer.pad_token_id, generator=gen,
+                          temperature=0.0 if greedy else self.sp.temperature, top_k=self.sp.top_k,
+                          top_p=self.sp.top_p, stop=self._stop_check())
 
     def _score(self, prompts, samples) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[str]]:
         tok = self.s.tokenizer
@@ -243,28 +287,53 @@ class GrpoTask:
         seqs = [(prompts[samples.prompt_index[i]].ids, samples.completion_ids[i]) for i in live]
         adv = advantages[live].to(s.device)
         width = max(len(c) for _, c in seqs)
-        passes = _passes([len(p) + len(c) for p, c in seqs], s.pass_tokens)
         n_tok = sum(len(c) for _, c in seqs)
         denominator = {"token": n_tok, "constant": len(seqs) * sp.max_new_tokens, "sequence": len(seqs)}[g.loss_normalisation]
+        pad = s.tokenizer.pad_token_id
+        if self.share_prompts:  # passes of whole groups, each prompt run once for its completions
+            groups: dict[int, list[int]] = {}
+            for j, i in enumerate(live):
+                groups.setdefault(samples.prompt_index[i], []).append(j)
+            passes, cost = [], 0
+            for idx in groups.values():  # budget: prompt tokens + completion tokens actually run
+                size = len(seqs[idx[0]][0]) + sum(len(seqs[j][1]) for j in idx)
+                if passes and s.pass_tokens and cost + size > s.pass_tokens:
+                    passes.append([])
+                    cost = 0
+                if not passes:
+                    passes.append([])
+                passes[-1].extend(idx)
+                cost += size
+
+            prompt_of = [samples.prompt_index[i] for i in live]
+
+            def logprobs_of(scorer, idx):
+                uniq = list(dict.fromkeys(prompt_of[j] for j in idx))
+                row = {p: n for n, p in enumerate(uniq)}
+                return scorer.shared_prompts([prompts[p].ids for p in uniq], [seqs[j][1] for j in idx],
+                                             [row[prompt_of[j]] for j in idx], width, pad)
+        else:
+            passes = _passes([len(p) + len(c) for p, c in seqs], s.pass_tokens)
+
+            def logprobs_of(scorer, idx):
+                return scorer(self._batch([seqs[i] for i in idx]), width)
         beta = self._beta()
         ref_logp = {}
         if beta > 0:  # the reference: the adapter disabled, or [reference]
             with torch.no_grad():
                 for k, idx in enumerate(passes):
-                    batch = self._batch([seqs[i] for i in idx])
                     if self.reference is not None:
-                        ref_logp[k] = self.reference(batch, width)
+                        ref_logp[k] = logprobs_of(self.reference, idx)
                     else:
                         with s.model.disable_adapter():
-                            ref_logp[k] = self.logprobs(batch, width)
+                            ref_logp[k] = logprobs_of(self.logprobs, idx)
         old = {}
         stats_all = []
         loss_total = 0.0
         for epoch in range(g.grpo_epochs):
             for k, idx in enumerate(passes):
-                batch = self._batch([seqs[i] for i in idx])
-                logp = self.logprobs(batch, width)  # [b, width]
-                n_completion = (batch["labels"][:, 1:] != IGNORE).sum(1)  # [b]
+                logp = logprobs_of(self.logprobs, idx)  # [b, width]
+                n_completion = torch.tensor([len(seqs[j][1]) for j in idx], device=logp.device)  # [b]
                 mask = n_completion[:, None] > torch.arange(width, device=logp.device)[None, :]
                 if epoch == 0:
                     old[k] = logp.detach()

@@ -1,0 +1,35 @@
+"""GRPO's teacher-forced log-probabilities: a group's completions sharing one prompt forward
+(through the KV cache, gradients included) give the values and gradients of one row per completion."""
+import torch
+
+from retrograd.models.load import load_model
+from retrograd.models.lora import attach_lora
+from retrograd.train.grpo import TokenLogprobs, _collate
+
+
+def test_shared_prompt_forward_equals_one_row_per_completion(tiny_model):
+    loaded = load_model(str(tiny_model), log=lambda *_: None)
+    model, _ = attach_lora(loaded.model, 4, 8, ["auto"], 0.0, 0)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    scorer, pad = TokenLogprobs(model), loaded.tokenizer.pad_token_id
+    prompts = [loaded.tokenizer("hello there friend")["input_ids"], loaded.tokenizer("hi")["input_ids"]]
+    completions = [[10, 20, 30, 40], [50, 60], [70, 80, 90], [5]]
+    owner = [0, 1, 0, 1]  # two groups, prompts of different lengths (left-padded together)
+    coef = torch.randn(4, 4)
+
+    plain = scorer(_collate([(prompts[o], c) for o, c in zip(owner, completions)], pad), 4)
+    (plain * coef).sum().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    shared = scorer.shared_prompts(prompts, completions, owner, 4, pad)
+    (shared * coef).sum().backward()
+
+    assert torch.allclose(shared, plain, atol=1e-6)
+    assert shared[1, 2:].abs().sum() == 0 and shared[3, 1:].abs().sum() == 0  # nothing past a completion
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert torch.allclose(p.grad, want[name], rtol=1e-4, atol=1e-7), name
