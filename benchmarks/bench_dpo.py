@@ -35,8 +35,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_sft import (CHILD_ENV, LORA_ALPHA, LORA_R, LORA_TARGETS, THREADS, cpu_model,  # noqa: E402
-                       self_peak_rss_mb, versions, worker_prepare, write_json)
+import bench_sft  # noqa: E402
+from bench_sft import (LORA_ALPHA, LORA_R, LORA_TARGETS, THREADS, cpu_model,  # noqa: E402
+                       load_trl_model, self_peak_rss_mb, versions, worker_prepare, write_json)
 
 PAIRS_PER_STEP, MAX_LEN, LR, BETA, SEED = 2, 256, 5e-5, 0.1, 0
 
@@ -110,21 +111,12 @@ def worker_trl(args) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
+    from transformers import TrainerCallback, set_seed
     from trl import DPOConfig, DPOTrainer
     torch.set_num_threads(THREADS)
     set_seed(SEED)
     rows = [json.loads(x) for x in Path(args.data).read_text().splitlines()]
-    gguf = Path(args.gguf)
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    if getattr(model, "hf_quantizer", None) is not None:  # see bench_sft.py
-        model.hf_quantizer.remove_quantization_config(model)
-    for m in model.modules():
-        if getattr(getattr(m, "config", None), "_is_quantized", False):
-            m.config._is_quantized = False
+    model, tok = load_trl_model(args.gguf)
     after_load = self_peak_rss_mb()
 
     class StepTimer(TrainerCallback):
@@ -158,20 +150,7 @@ WORKERS = {"prepare": worker_prepare, "retrograd": worker_retrograd, "trl": work
 
 
 def spawn(kind: str, tmp: Path, steps: int, data: Path, gguf: str = "") -> dict:
-    work = tmp / kind
-    work.mkdir()
-    result = work / "result.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--steps", str(steps), "--work",
-           str(work), "--data", str(data), "--gguf", gguf, "--result", str(result)]
-    print(f"\n=== {kind}  (load average {os.getloadavg()[0]:.2f})", flush=True)
-    import subprocess
-    proc = subprocess.Popen(cmd, env={**os.environ, **CHILD_ENV})
-    _, status, usage = os.wait4(proc.pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        sys.exit(f"bench_dpo: the {kind} worker failed; see its output above")
-    out = json.loads(result.read_text())
-    out["process_peak_rss_mb"] = usage.ru_maxrss / 1024
-    return out
+    return bench_sft.spawn(kind, tmp, steps, data, gguf, script=__file__)
 
 
 def main() -> None:

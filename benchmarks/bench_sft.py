@@ -115,6 +115,25 @@ def write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
 
 
+def load_trl_model(gguf_path: str):
+    """(model, tokenizer) for the TRL side: the GGUF de-quantized to fp32 by transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    gguf = Path(gguf_path)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    # The weights are de-quantized to plain fp32, but transformers keeps a GGUF quantizer marker and
+    # Trainer then refuses to train ("... quantized with GGUF ... do not support training"). Drop it.
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    for m in model.modules():
+        if getattr(getattr(m, "config", None), "_is_quantized", False):
+            m.config._is_quantized = False
+    return model, tok
+
+
 # ---- workers (each in its own process) ---------------------------------------------------------------
 
 def worker_prepare(args) -> dict:
@@ -213,7 +232,7 @@ def worker_trl(args) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
+    from transformers import TrainerCallback, set_seed
     from trl import SFTConfig, SFTTrainer
 
     torch.set_num_threads(THREADS)
@@ -222,18 +241,7 @@ def worker_trl(args) -> dict:
     dataset = Dataset.from_list(rows)
 
     t0 = time.perf_counter()
-    gguf = Path(args.gguf)
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    # The weights are de-quantized to plain fp32, but transformers keeps a GGUF quantizer marker and
-    # Trainer then refuses to train ("... quantized with GGUF ... do not support training"). Drop it.
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)
-    for m in model.modules():
-        if getattr(getattr(m, "config", None), "_is_quantized", False):
-            m.config._is_quantized = False
+    model, tok = load_trl_model(args.gguf)
     load_s = time.perf_counter() - t0
     peak_after_load = self_peak_rss_mb()
 
@@ -297,11 +305,12 @@ def run_worker(args) -> None:
 
 # ---- parent ------------------------------------------------------------------------------------------
 
-def spawn(kind: str, tmp: Path, steps: int, data: Path, gguf: str = "") -> dict:
+def spawn(kind: str, tmp: Path, steps: int, data: Path, gguf: str = "", script: str = __file__) -> dict:
+    """Run `script --worker kind` in its own process; its result JSON plus the process's own peak RSS."""
     work = tmp / kind
     work.mkdir()
     result = work / "result.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--steps", str(steps),
+    cmd = [sys.executable, str(Path(script).resolve()), "--worker", kind, "--steps", str(steps),
            "--work", str(work), "--data", str(data), "--gguf", gguf, "--result", str(result)]
     print(f"\n=== {kind}  (load average {' '.join(f'{x:.2f}' for x in os.getloadavg())})", flush=True)
     t = time.perf_counter()
@@ -310,7 +319,7 @@ def spawn(kind: str, tmp: Path, steps: int, data: Path, gguf: str = "") -> dict:
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
-        sys.exit(f"bench_sft: the {kind} worker failed (exit {proc.returncode}); see its output above")
+        sys.exit(f"{Path(script).name}: the {kind} worker failed (exit {proc.returncode}); see its output above")
     out = json.loads(result.read_text())
     out["process_wall_s"] = time.perf_counter() - t
     out["process_peak_rss_mb"] = usage.ru_maxrss / 1024  # KiB on Linux

@@ -96,16 +96,12 @@ def _eval_preference(cfg, model, tok, label, data, as_json) -> int:
 def _eval_grpo(cfg, model, tok, label, data, as_json) -> int:
     """Mean reward of greedy completions of the evaluation prompts, base and trained."""
     from retrograd.data.prompts import load_prompts
-    from retrograd.rl.rewards import build_rewards
-    from retrograd.rl.sampler import sample
+    from retrograd.rl.rewards import rewards_from_config
+    from retrograd.rl.sampler import eos_ids, sample
     g = cfg.grpo
     prompts = load_prompts(data, tok, cfg.training.ctx, g.sampling.max_new_tokens, g.template_variables)
-    command = ({"command": g.reward_command, "mode": g.reward_mode, "timeout_seconds": g.reward_timeout_seconds}
-               if g.reward_command else None)
-    rewards = build_rewards(g.rewards, Path(cfg.source).parent, command)
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    eos = {tok.eos_token_id} | set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
-    eos.discard(None)
+    rewards = rewards_from_config(g, Path(cfg.source).parent)
+    eos = eos_ids(tok, model)
 
     def mean_reward() -> dict:
         total, per = 0.0, {r.name: 0.0 for r in rewards}

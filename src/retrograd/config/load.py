@@ -223,8 +223,6 @@ def _resolve_grpo(cfg: RunConfig, src: Path, base: Path) -> RunConfig:
         raw = getattr(g, key)
         subs[key] = None if raw is None else _build_table(f"grpo.{key}", cls, raw, src, base)
     sampling = subs["sampling"]
-    if g.clip_range_high < g.clip_range_low and g.importance_sampling_level == "token":
-        pass  # clip-higher is usual; a narrower upper band is allowed
     if cfg.reference is not None and g.kl_coefficient == 0:
         raise ConfigError(f"{src}: [reference] is only used by the KL term, and grpo.kl_coefficient = 0")
     if not g.rewards and not g.reward_command:

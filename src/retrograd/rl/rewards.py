@@ -200,3 +200,10 @@ def build_rewards(specs: list[dict], base: Path, command: dict | None = None) ->
     if len(set(names)) != len(names):
         out = [Reward(f"{r.name}_{i}", r.weight, r.fn) for i, r in enumerate(out)]
     return out
+
+
+def rewards_from_config(g, base: Path) -> list[Reward]:
+    """The rewards of a [grpo] table: its [[grpo.rewards]] plus the retrograd-rs `reward_command` keys."""
+    command = ({"command": g.reward_command, "mode": g.reward_mode, "timeout_seconds": g.reward_timeout_seconds}
+               if g.reward_command else None)
+    return build_rewards(g.rewards, base, command)

@@ -30,6 +30,14 @@ class Samples:
     generated_tokens: int  # tokens the batch decoded (what sampling tokens/s counts)
 
 
+def eos_ids(tokenizer, model) -> set[int]:
+    """The tokens that end a completion: the tokenizer's EOS and the generation config's."""
+    gen = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = {tokenizer.eos_token_id} | set(gen if isinstance(gen, list) else [gen])
+    ids.discard(None)
+    return ids
+
+
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """[B, V] raw logits -> logits of the sampling distribution (-inf outside top-k / top-p)."""
     logits = logits.float() / temperature

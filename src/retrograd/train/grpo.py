@@ -25,8 +25,8 @@ from retrograd.checkpoint.fingerprint import fingerprint_path
 from retrograd.data.prompts import load_prompts
 from retrograd.data.sampler import evenly_spaced
 from retrograd.data.sft import resolve_data_path
-from retrograd.rl.rewards import build_rewards
-from retrograd.rl.sampler import lora_folded, sample
+from retrograd.rl.rewards import rewards_from_config
+from retrograd.rl.sampler import eos_ids, lora_folded, sample
 from retrograd.train.loop import Setup, TrainResult, run_training
 from retrograd.train.sft import CE_CHUNK_ROWS, TokenLoss
 
@@ -133,9 +133,7 @@ class GrpoTask:
             ev_all = load_prompts(cfg.evaluation.data, tok, cfg.training.ctx, sp.max_new_tokens, g.template_variables)
             self.eval_rows = [ev_all[i] for i in evenly_spaced(len(ev_all), cfg.evaluation.max_examples)]
         s.log(f"data: {len(self.rows)} prompts" + (f", {len(self.eval_rows)} evaluation prompts" if self.eval_rows else ""))
-        command = ({"command": g.reward_command, "mode": g.reward_mode, "timeout_seconds": g.reward_timeout_seconds}
-                   if g.reward_command else None)
-        self.rewards = build_rewards(g.rewards, Path(cfg.source).parent, command)
+        self.rewards = rewards_from_config(g, Path(cfg.source).parent)
         self.rows_per_step = g.prompts_per_update
         self.shuffle = g.prompt_order == "shuffled"
         self.total_steps = g.updates
@@ -144,10 +142,7 @@ class GrpoTask:
         self.fingerprints = {"data": fingerprint_path(resolve_data_path(g.prompts))}
         if cfg.evaluation is not None:
             self.fingerprints["eval_data"] = fingerprint_path(resolve_data_path(cfg.evaluation.data))
-        eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-        gen_eos = getattr(getattr(s.model, "generation_config", None), "eos_token_id", None)
-        eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
-        self.eos_ids = eos
+        self.eos_ids = eos_ids(tok, s.model)
         self.logprobs = TokenLogprobs(s.model)
         # a group's completions share their prompt's forward in training (prompts are often most of
         # the tokens); checked equal to one row per completion on llama-architecture models

@@ -13,7 +13,7 @@ from retrograd.algorithms.sft import cross_entropy_sum_reference, linear_cross_e
 from retrograd.checkpoint.fingerprint import fingerprint_path
 from retrograd.data.sampler import evenly_spaced
 from retrograd.data.sft import Example, Renderer, collate, load_examples, resolve_data_path, split_by_tokens
-from retrograd.train.loop import Setup, TrainResult, init_adapter_resume_message, run_training  # noqa: F401
+from retrograd.train.loop import Setup, TrainResult, run_training
 
 SftResult = TrainResult  # the name earlier versions exported
 
@@ -74,7 +74,7 @@ class SftTask:
     eval_metric = "loss"
 
     def __init__(self, s: Setup):
-        cfg, tr, sft, ev = s.cfg, s.cfg.training, s.cfg.sft, s.cfg.evaluation
+        tr, sft, ev = s.cfg.training, s.cfg.sft, s.cfg.evaluation
         self.s, self.tr, self.ev = s, tr, ev
         renderer = Renderer(s.tokenizer, tr.ctx, sft.assistant_only_loss, sft.template_variables)
         self.rows = load_examples(sft.data, sft.data_format, renderer)
