@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--model", required=True, metavar="PATH", help="HF folder, .gguf file, or built-in alias")
     i.add_argument("--json", action="store_true", help="print JSON instead of text")
 
+    from retrograd.service.cli import add_parsers as add_service_parsers
+    add_service_parsers(sub)
+
     s = sub.add_parser("config-schema", help="print the JSON Schema of run.toml (for editor completion)")
     s.add_argument("--out", metavar="FILE", help="write to FILE instead of stdout")
     return p
@@ -164,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
             return _inspect(args)
         if args.command == "config-schema":
             return _config_schema(args)
+        if args.command in ("serve", "checkpoint"):
+            from retrograd.service.cli import main_for
+            return main_for(args)
     except RetrogradError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

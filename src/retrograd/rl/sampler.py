@@ -38,6 +38,19 @@ def eos_ids(tokenizer, model) -> set[int]:
     return ids
 
 
+def stop_string_check(tokenizer, stops: list[str]):
+    """A `stop` callback for `sample`: ends a completion (keeping every token so far) once its
+    decoded tail contains one of `stops`; None when there are none."""
+    if not stops:
+        return None
+    stops = list(stops)
+
+    def check(ids: list[int]):
+        text = tokenizer.decode(ids[-16:], skip_special_tokens=True)
+        return len(ids) if any(st in text for st in stops) else None
+    return check
+
+
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """[B, V] raw logits -> logits of the sampling distribution (-inf outside top-k / top-p)."""
     logits = logits.float() / temperature

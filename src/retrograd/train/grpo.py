@@ -26,7 +26,7 @@ from retrograd.data.prompts import load_prompts
 from retrograd.data.sampler import evenly_spaced
 from retrograd.data.sft import resolve_data_path
 from retrograd.rl.rewards import rewards_from_config
-from retrograd.rl.sampler import eos_ids, lora_folded, sample
+from retrograd.rl.sampler import eos_ids, lora_folded, sample, stop_string_check
 from retrograd.train.loop import Setup, TrainResult, run_training
 from retrograd.train.sft import CE_CHUNK_ROWS, TokenLoss
 
@@ -186,14 +186,7 @@ class GrpoTask:
 
     # ---- sampling and scoring --------------------------------------------------------------------
     def _stop_check(self):
-        if not self.sp.stop:
-            return None
-        tok, stops = self.s.tokenizer, list(self.sp.stop)
-
-        def check(ids: list[int]):
-            text = tok.decode(ids[-16:], skip_special_tokens=True)
-            return len(ids) if any(st in text for st in stops) else None
-        return check
+        return stop_string_check(self.s.tokenizer, list(self.sp.stop or []))
 
     def _sample(self, prompts, group_size, seed_offset: int, greedy: bool = False):
         gen = None if greedy else torch.Generator().manual_seed(self.sp.seed * 1_000_003 + seed_offset)

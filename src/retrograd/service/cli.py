@@ -1,0 +1,156 @@
+"""Command-line side of the service: `retrograd serve`, `retrograd serve keys create` and
+`retrograd checkpoint list` (registered checkpoint metadata through the server, no download)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from retrograd.errors import ConfigError, RetrogradError
+from retrograd.paths import home
+
+POLICY_CHOICES = ("rollout-enabled", "actor-only")
+
+
+def default_state_dir() -> Path:
+    return home() / "serve"
+
+
+def add_parsers(sub) -> None:
+    s = sub.add_parser("serve", help="run a Tinker-compatible training service (tinker SDK / tinker-cookbook)",
+                       description="Serve LoRA training and sampling over the Tinker API. Point the unmodified tinker "
+                                   "SDK at it with TINKER_BASE_URL=http://HOST:PORT and TINKER_API_KEY.")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1); any other needs API keys")
+    s.add_argument("--port", type=int, default=8000, help="port (8000)")
+    s.add_argument("--state-dir", type=Path, default=None, metavar="DIR",
+                   help="registry database, keys and checkpoints ($RETROGRAD_HOME/serve)")
+    s.add_argument("--models", nargs="+", default=None, metavar="ALIAS_OR_PATH",
+                   help="base models clients may train: built-in aliases, HF folders or .gguf files "
+                        "(default: the built-in smollm2-135m-instruct)")
+    s.add_argument("--policy", action="append", default=[], metavar="MODEL=POLICY",
+                   help="per-model sampling policy: rollout-enabled (default) or actor-only (repeatable)")
+    s.add_argument("--threads", type=int, metavar="N", help="torch CPU threads")
+    ks = s.add_subparsers(dest="serve_command", metavar="SUBCOMMAND")
+    keys = ks.add_parser("keys", help="manage API keys").add_subparsers(dest="keys_command", metavar="ACTION",
+                                                                     required=True)
+    kc = keys.add_parser("create", help="create an API key for an owner and print it")
+    kc.add_argument("--owner", required=True, help="who the key's checkpoints belong to")
+    kc.add_argument("--policy", default="rollout-enabled", choices=POLICY_CHOICES,
+                    help="rollout-enabled: may sample; actor-only: training and checkpoints only")
+    kc.add_argument("--state-dir", type=Path, default=None, metavar="DIR", help="as for retrograd serve")
+
+    c = sub.add_parser("checkpoint", help="query a running service's checkpoint registry")
+    cs = c.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
+    cl = cs.add_parser("list", help="list registered checkpoints of a session (metadata only, no download)")
+    cl.add_argument("--session-id", required=True, metavar="ID")
+    cl.add_argument("--limit", type=int, default=25, help="at most this many (25)")
+    cl.add_argument("--base-url", default=None, help="the server ($TINKER_BASE_URL, else http://127.0.0.1:8000)")
+    cl.add_argument("--api-key", default=None, help="$TINKER_API_KEY")
+    cl.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _parse_policies(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        model, _, policy = item.rpartition("=")
+        if not model or policy not in POLICY_CHOICES:
+            raise ConfigError(f"--policy {item!r}: expected MODEL=rollout-enabled or MODEL=actor-only")
+        out[model] = policy
+    return out
+
+
+def run_serve(args) -> int:
+    state_dir = args.state_dir or default_state_dir()
+    if args.serve_command == "keys":
+        from retrograd.service.registry import Registry
+        state_dir.mkdir(parents=True, exist_ok=True)
+        key = Registry(state_dir / "registry.sqlite3").create_key(args.owner, args.policy)
+        print(key)
+        print(f"(owner {args.owner}, policy {args.policy}; stored as a SHA-256 digest in {state_dir}; "
+              "this is the only time the key is shown)", file=sys.stderr)
+        return 0
+    from retrograd.models.builtin import DEFAULT_MODEL
+    from retrograd.service.api import Service
+    from retrograd.service.engine import read_base
+    from retrograd.service.http import make_server
+    from retrograd.train.common import configure_torch
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    from retrograd.service.http import is_loopback
+    from retrograd.service.registry import Registry
+    state_dir.mkdir(parents=True, exist_ok=True)
+    if not is_loopback(args.host) and not Registry(state_dir / "registry.sqlite3").has_keys():
+        raise ConfigError(f"--host {args.host} is not a loopback address: create an API key first (retrograd serve "
+                          f"keys create --owner NAME --state-dir {state_dir}) so the server is not open to anyone")
+    configure_torch(args.threads)
+    policies = _parse_policies(args.policy)
+    names = args.models or [DEFAULT_MODEL]
+    unknown = sorted(set(policies) - set(names))
+    if unknown:
+        raise ConfigError(f"--policy names {unknown}, which are not in --models {names}")
+    bases = {}
+    for name in names:
+        log(f"loading {name} ...")
+        bases[name] = read_base(name, name, log)
+    svc = Service(state_dir, bases, policies, log)
+    server = make_server(svc, args.host, args.port, log)
+    host, port = server.server_address[:2]
+    auth = "API keys of the state dir" if svc.registry.has_keys() else "any key (loopback only, owner 'local')"
+    log(f"retrograd serve: http://{host}:{port}  models: {', '.join(names)}  state: {state_dir}  auth: {auth}")
+    log(f"  export TINKER_BASE_URL=http://{host}:{port}")
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        log("shutting down")
+    finally:
+        server.server_close()
+        svc.executor.close()
+    return 0
+
+
+def run_checkpoint(args) -> int:
+    base = (args.base_url or os.environ.get("TINKER_BASE_URL") or "http://127.0.0.1:8000").rstrip("/")
+    key = args.api_key or os.environ.get("TINKER_API_KEY")
+    if not key:
+        raise ConfigError("no API key: pass --api-key or set TINKER_API_KEY")
+    url = f"{base}/api/v1/sessions/{args.session_id}/checkpoints?limit={args.limit}"
+    req = urllib.request.Request(url, headers={"X-API-Key": key})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            data = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")
+        try:
+            detail = json.loads(detail).get("error", detail)
+        except ValueError:
+            pass
+        raise RetrogradError(f"{url}: HTTP {e.code}: {detail}") from None
+    except urllib.error.URLError as e:
+        raise RetrogradError(f"cannot reach the server at {base}: {e.reason}") from None
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    rows = data["checkpoints"]
+    if not rows:
+        print(f"no registered checkpoints in session {args.session_id}")
+        return 0
+    print(f"{'path':<72} {'type':<8} {'step':>6} {'bytes':>11}  {'created':<20} expires")
+    for c in rows:
+        print(f"{c['tinker_path']:<72} {c['checkpoint_type']:<8} {c['step']:>6} {c['size_bytes']:>11}  "
+              f"{c['time']:<20} {c['expires_at'] or 'never'}")
+    total = data["cursor"]["total_count"]
+    if total > len(rows):
+        print(f"({len(rows)} of {total}; raise --limit for more)")
+    return 0
+
+
+def main_for(args: argparse.Namespace) -> int:
+    return run_serve(args) if args.command == "serve" else run_checkpoint(args)
