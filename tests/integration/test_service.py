@@ -31,10 +31,11 @@ def _lp(out, i=0) -> np.ndarray:
 def test_training_losses_checkpoints_and_sampling_through_the_sdk(served):
     svc, url, _ = served
     sc = client(url)
-    tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=3)
+    tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
     info = tc.get_info()
     assert info.model_data.model_name == "tiny" and info.lora_rank == 4 and info.is_lora
     assert tc.get_tokenizer().encode("red cat", add_special_tokens=False)  # the served tokenizer loads
+    base_before = sc.create_sampling_client(base_model="tiny").result().compute_logprobs(types.ModelInput.from_ints(TOKENS)).result()
 
     # SFT steps submitted ahead (forward_backward and optim_step before waiting): the loss falls
     d = [datum(TOKENS), datum(TOKENS[3:])]
@@ -79,7 +80,7 @@ def test_training_losses_checkpoints_and_sampling_through_the_sdk(served):
     at_save = _lp(tc.forward([datum(TOKENS)], "cross_entropy").result())
 
     # sampling from the live weights: seeded, and its log-probs are the policy's (T = 1)
-    sampler = tc.save_weights_and_get_sampling_client()
+    sampler = tc.save_weights_and_get_sampling_client().result()
     params = types.SamplingParams(max_tokens=8, seed=11, temperature=1.0)
     prompt = types.ModelInput.from_ints(TOKENS[:6])
     a = sampler.sample(prompt, 3, params).result()
@@ -99,9 +100,9 @@ def test_training_losses_checkpoints_and_sampling_through_the_sdk(served):
     assert st.tokens == seq.tokens[:2] and st.stop_reason == "stop"
 
     # resume: from the state with optimizer state, the next step matches the original client exactly
-    resumed = sc.create_training_client_from_state_with_optimizer(state)
+    resumed = sc.create_training_client_from_state_with_optimizer(state).result()
     np.testing.assert_allclose(_lp(resumed.forward([datum(TOKENS)], "cross_entropy").result()), at_save, atol=1e-6)
-    fresh_opt = sc.create_training_client_from_state(state)
+    fresh_opt = sc.create_training_client_from_state(state).result()
     for c in (tc, resumed, fresh_opt):
         c.forward_backward(d, "cross_entropy")
         c.optim_step(types.AdamParams(learning_rate=1e-2)).result()
@@ -113,11 +114,14 @@ def test_training_losses_checkpoints_and_sampling_through_the_sdk(served):
     np.testing.assert_allclose(_lp(tc.forward([datum(TOKENS)], "cross_entropy").result()), at_save, atol=1e-6)
 
     # a sampling client on a saved sampler checkpoint (not a live run's weights)
-    from_disk = sc.create_sampling_client(model_path=sampler_path)
+    from_disk = sc.create_sampling_client(model_path=sampler_path).result()
     cl2 = from_disk.compute_logprobs(types.ModelInput.from_ints(TOKENS)).result()
     np.testing.assert_allclose(np.asarray(cl2[1:], dtype=np.float64), at_save, atol=1e-4)
-    base_sampler = sc.create_sampling_client(base_model="tiny")
+    base_sampler = sc.create_sampling_client(base_model="tiny").result()
     assert len(base_sampler.sample(prompt, 2, params).result().sequences) == 2
+    # runs share the served model's frozen tensors: training and sampling them left the base untouched
+    base_after = base_sampler.compute_logprobs(types.ModelInput.from_ints(TOKENS)).result()
+    assert base_after == base_before
 
     # REST: list / get / delete
     rc = rest(url)
@@ -132,7 +136,7 @@ def test_training_losses_checkpoints_and_sampling_through_the_sdk(served):
     rc.delete_checkpoint_from_tinker_path(sampler_path).result()
     assert sampler_path not in {c.tinker_path for c in rc.list_checkpoints(tc.model_id).result().checkpoints}
     with pytest.raises(tinker.NotFoundError):
-        sc.create_sampling_client(model_path=sampler_path).sample(prompt, 1, params).result()
+        sc.create_sampling_client(model_path=sampler_path).result().sample(prompt, 1, params).result()
 
 
 def test_client_errors_are_clear(served):
@@ -140,15 +144,15 @@ def test_client_errors_are_clear(served):
     sc = client(url)
     with pytest.raises(tinker.BadRequestError, match="not served here"):
         sc.create_lora_training_client(base_model="nope", rank=4).result()
-    tc = sc.create_lora_training_client(base_model="tiny", rank=2, seed=0)
+    tc = sc.create_lora_training_client(base_model="tiny", rank=2, seed=0).result()
     bad = types.Datum(model_input=types.ModelInput.from_ints(TOKENS[:5]),
                       loss_fn_inputs={"target_tokens": TOKENS[1:4], "weights": [1.0] * 3})
     with pytest.raises(tinker.RequestFailedError, match="datum 0.*shape"):
         tc.forward_backward([bad], "cross_entropy").result()
-    tc2 = sc.create_lora_training_client(base_model="tiny", rank=2, seed=0)
+    tc2 = sc.create_lora_training_client(base_model="tiny", rank=2, seed=0).result()
     with pytest.raises(tinker.RequestFailedError, match="needs loss_fn_inputs"):
         tc2.forward([datum(TOKENS)], "ppo").result()
-    tc3 = sc.create_lora_training_client(base_model="tiny", rank=2, seed=0)
+    tc3 = sc.create_lora_training_client(base_model="tiny", rank=2, seed=0).result()
     with pytest.raises(tinker.BadRequestError, match="checkpoint name"):
         tc3.save_state("../escape").result()
     with pytest.raises(tinker.BadRequestError, match="not a valid tinker"):
@@ -205,7 +209,7 @@ shuffle = false
     tok = load_model(str(model), log=lambda *_: None).tokenizer
     examples = load_examples(str(tmp_path / "train.jsonl"), "auto", Renderer(tok, cfg.training.ctx, True))
     with running_service(tmp_path / "state", {"tiny": model}) as (_, url):
-        tc = client(url).create_lora_training_client(base_model="tiny", rank=4, seed=7)
+        tc = client(url).create_lora_training_client(base_model="tiny", rank=4, seed=7).result()
         sdk_losses = []
         for step in range(5):
             batch = examples[2 * step:2 * step + 2]

@@ -47,7 +47,7 @@ def keyed(tmp_path_factory):
 def test_checkpoints_are_owner_scoped_and_policies_refuse_sampling(keyed):
     svc, url, keys = keyed
     alice, bob = client(url, keys["alice"]), client(url, keys["bob"])
-    tc = alice.create_lora_training_client(base_model="tiny", rank=2, seed=0)
+    tc = alice.create_lora_training_client(base_model="tiny", rank=2, seed=0).result()
     tc.forward_backward([datum(TOKENS)], "cross_entropy")
     tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     path = tc.save_state("mine").result().path
@@ -72,7 +72,7 @@ def test_checkpoints_are_owner_scoped_and_policies_refuse_sampling(keyed):
     assert path in {c.tinker_path for c in rest(url, keys["alice"]).list_checkpoints(tc.model_id).result().checkpoints}
 
     # bob's key is actor-only: he trains and saves, but may not sample, and the refusal says why
-    btc = bob.create_lora_training_client(base_model="tiny", rank=2, seed=0)
+    btc = bob.create_lora_training_client(base_model="tiny", rank=2, seed=0).result()
     btc.forward_backward([datum(TOKENS)], "cross_entropy")
     btc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     bpath = btc.save_weights_for_sampler("b").result().path
@@ -83,7 +83,7 @@ def test_checkpoints_are_owner_scoped_and_policies_refuse_sampling(keyed):
     # model tiny-actor is actor-only for everyone; tiny is rollout-enabled for alice
     with pytest.raises(tinker.PermissionDeniedError, match="tiny-actor"):
         alice.create_sampling_client(base_model="tiny-actor").result()
-    s = alice.create_sampling_client(model_path=sampler_path)
+    s = alice.create_sampling_client(model_path=sampler_path).result()
     assert len(s.sample(types.ModelInput.from_ints(TOKENS[:4]), 1, types.SamplingParams(max_tokens=3)).result().sequences) == 1
 
     # unknown keys are refused
@@ -93,7 +93,7 @@ def test_checkpoints_are_owner_scoped_and_policies_refuse_sampling(keyed):
 
 def test_signed_download_urls_verify_expire_and_refuse_tampering(keyed):
     svc, url, keys = keyed
-    tc = client(url, keys["alice"]).create_lora_training_client(base_model="tiny", rank=2, seed=1)
+    tc = client(url, keys["alice"]).create_lora_training_client(base_model="tiny", rank=2, seed=1).result()
     path = tc.save_state("dl").result().path
     run_id = path.split("/")[2]
     status, body = _get(f"{url}/api/v1/training_runs/{run_id}/checkpoints/weights/dl/manifest", keys["alice"])
@@ -141,7 +141,7 @@ def test_kill_during_save_leaves_no_registered_half_checkpoint(tmp_path):
     server = ServeProcess(state, model, env={"RETROGRAD_TEST_CRASH_IN_SAVE": "service:doomed"})
     try:
         sc = client(server.url)
-        tc = sc.create_lora_training_client(base_model=str(model), rank=2, seed=0)
+        tc = sc.create_lora_training_client(base_model=str(model), rank=2, seed=0).result()
         tc.forward_backward([datum(TOKENS)], "cross_entropy")
         tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
         kept = tc.save_state("kept").result().path
@@ -157,7 +157,7 @@ def test_kill_during_save_leaves_no_registered_half_checkpoint(tmp_path):
         assert listed == [kept]
         assert len(list((state / "checkpoints").iterdir())) == 1  # the remains were swept at start
         assert any("removed 1 unregistered" in line for line in server.lines)
-        resumed = client(server.url).create_training_client_from_state_with_optimizer(kept)
+        resumed = client(server.url).create_training_client_from_state_with_optimizer(kept).result()
         assert resumed.forward([datum(TOKENS)], "cross_entropy").result().metrics["loss:sum"] > 0
     finally:
         server.stop()
@@ -178,7 +178,7 @@ def test_cli_keys_refusal_off_loopback_and_checkpoint_list(tmp_path):
     model = make_model_dir(tmp_path / "model")
     with running_service(state, {"tiny": model}) as (svc, url):
         assert svc.registry.caller(key).owner == "carol"
-        tc = client(url, key).create_lora_training_client(base_model="tiny", rank=2, seed=0)
+        tc = client(url, key).create_lora_training_client(base_model="tiny", rank=2, seed=0).result()
         path = tc.save_state("first").result().path
         session = tc.model_id.split(":")[0]
         r = subprocess.run([sys.executable, "-m", "retrograd", "checkpoint", "list", "--session-id", session,

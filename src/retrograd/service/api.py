@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from retrograd.checkpoint.state import verify_state
-from retrograd.service.engine import BaseModel, Run, UserError, prompt_logprobs, sample_sequences
+from retrograd.service.engine import BaseModel, Run, prompt_logprobs, sample_sequences
 from retrograd.service.futures import Executor, JobError
 from retrograd.service.registry import Caller, CheckpointRow, Registry
 from retrograd.service.storage import CheckpointStore, Signer
@@ -31,7 +31,7 @@ RUN_ID_RE = re.compile(r"^[0-9a-f-]{36}:train:\d{1,9}$")
 KIND_SEGMENT = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}
 SEGMENT_KIND = {v: k for k, v in KIND_SEGMENT.items()}
 URL_TTL_S = 3600
-LORA_ALPHA = 32.0  # Tinker's LoRA config has no alpha; this fixed scale is recorded in every manifest
+LORA_ALPHA = 32.0  # Tinker's LoRA config has no alpha: a server-wide setting (--lora-alpha), kept in manifests
 
 
 class HttpError(Exception):
@@ -78,7 +78,7 @@ def checkpoint_json(row: CheckpointRow) -> dict:
 
 class Service:
     def __init__(self, state_dir: Path, bases: dict[str, BaseModel], model_policy: dict[str, str] | None = None,
-                 log=print):
+                 log=print, lora_alpha: float = LORA_ALPHA):
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.registry = Registry(self.state_dir / "registry.sqlite3")
@@ -86,6 +86,7 @@ class Service:
         self.signer = Signer(self.state_dir)
         self.bases = bases
         self.model_policy = model_policy or {}
+        self.lora_alpha = lora_alpha
         self.log = log
         self.executor = Executor(log)
         self.runs: dict[str, Run] = {}
@@ -178,7 +179,7 @@ class Service:
         meta = body.get("user_metadata")
 
         def create():
-            run = Run.create(model_id, base, int(lora.get("rank", 32)), LORA_ALPHA, seed,
+            run = Run.create(model_id, base, int(lora.get("rank", 32)), self.lora_alpha, seed,
                              bool(lora.get("train_attn", True)), bool(lora.get("train_mlp", True)),
                              bool(lora.get("train_unembed", True)))
             self.runs[model_id] = run

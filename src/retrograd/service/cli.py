@@ -34,6 +34,8 @@ def add_parsers(sub) -> None:
                         "(default: the built-in smollm2-135m-instruct)")
     s.add_argument("--policy", action="append", default=[], metavar="MODEL=POLICY",
                    help="per-model sampling policy: rollout-enabled (default) or actor-only (repeatable)")
+    s.add_argument("--lora-alpha", type=float, default=32.0, metavar="A",
+                   help="LoRA alpha of new training clients (Tinker's LoRA config has none); scale = A / rank (32)")
     s.add_argument("--threads", type=int, metavar="N", help="torch CPU threads")
     ks = s.add_subparsers(dest="serve_command", metavar="SUBCOMMAND")
     keys = ks.add_parser("keys", help="manage API keys").add_subparsers(dest="keys_command", metavar="ACTION",
@@ -99,7 +101,7 @@ def run_serve(args) -> int:
     for name in names:
         log(f"loading {name} ...")
         bases[name] = read_base(name, name, log)
-    svc = Service(state_dir, bases, policies, log)
+    svc = Service(state_dir, bases, policies, log, lora_alpha=args.lora_alpha)
     server = make_server(svc, args.host, args.port, log)
     host, port = server.server_address[:2]
     auth = "API keys of the state dir" if svc.registry.has_keys() else "any key (loopback only, owner 'local')"
@@ -142,9 +144,10 @@ def run_checkpoint(args) -> int:
     if not rows:
         print(f"no registered checkpoints in session {args.session_id}")
         return 0
-    print(f"{'path':<72} {'type':<8} {'step':>6} {'bytes':>11}  {'created':<20} expires")
+    w = max(len(c["tinker_path"]) for c in rows)
+    print(f"{'path':<{w}} {'type':<8} {'step':>6} {'bytes':>11}  {'created':<20} expires")
     for c in rows:
-        print(f"{c['tinker_path']:<72} {c['checkpoint_type']:<8} {c['step']:>6} {c['size_bytes']:>11}  "
+        print(f"{c['tinker_path']:<{w}} {c['checkpoint_type']:<8} {c['step']:>6} {c['size_bytes']:>11}  "
               f"{c['time']:<20} {c['expires_at'] or 'never'}")
     total = data["cursor"]["total_count"]
     if total > len(rows):

@@ -1,7 +1,7 @@
 """The compute side of `retrograd serve`: served base models, LoRA training runs, and sampling.
 
-A training run is a private copy of its base model with a PEFT LoRA adapter (the frozen base is
-copied so runs never see each other's adapters), an AdamW optimizer created at the first
+A training run is its own module tree over the served base model's frozen tensors (shared, not
+copied) with a PEFT LoRA adapter, so runs never see each other's adapters, an AdamW optimizer created at the first
 `optim_step` and re-tuned from each step's AdamParams, and gradients that accumulate across
 `forward_backward` calls until the step (Tinker's contract).
 
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from retrograd.algorithms.sft import linear_token_logprobs
-from retrograd.algorithms.tinker_losses import REQUIRED_INPUTS, LossInputError, datum_loss, resolve_config
+from retrograd.algorithms.tinker_losses import REQUIRED_INPUTS, datum_loss, resolve_config
 from retrograd.models.lora import ALIASES, attach_lora, block_linear_names
 from retrograd.rl.sampler import eos_ids, lora_folded, sample, stop_string_check
 
@@ -75,7 +75,7 @@ class Run:
         if not 1 <= rank <= 512:
             raise UserError(f"lora rank {rank} is out of range (1..512)")
         modules = lora_modules(base.model, train_attn, train_mlp)
-        model, _ = attach_lora(copy.deepcopy(base.model), rank, alpha, modules, 0.0, seed)
+        model, _ = attach_lora(shared_copy(base.model), rank, alpha, modules, 0.0, seed)
         model.train()
         lora = {"rank": rank, "alpha": alpha, "modules": modules, "seed": seed, "train_attn": train_attn,
                 "train_mlp": train_mlp, "train_unembed": train_unembed}
@@ -150,6 +150,15 @@ class Run:
         finally:
             for n, p in self.params.items():
                 p.data = originals[n]
+
+
+def shared_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the module tree that shares the frozen base tensors (parameters and buffers):
+    PEFT then wraps the copy's layers without touching the served base model, and a run costs its
+    adapter, not another copy of the weights. (`lora_folded` re-points a shared weight's .data while
+    one sampling request runs on the compute thread; nothing else runs meanwhile.)"""
+    memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    return copy.deepcopy(model, memo)
 
 
 def _check_datum(i: int, d, loss_fn: str, vocab: int):
