@@ -23,7 +23,6 @@ Writes OUT/result_service.json and prints the table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import subprocess
