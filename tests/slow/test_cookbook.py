@@ -37,7 +37,7 @@ def test_cookbook_supervised_and_rl_loops(tmp_path):
     server = ServeProcess(tmp_path / "state", "smollm2-135m-instruct")
     try:
         sft = tmp_path / "sft"
-        _drive("sft", server.url, sft)
+        _drive("sft", server.url, sft, "--rolling-save-every", "3")  # rolling saves DELETE their predecessor
         metrics = _rows(sft / "metrics.jsonl")
         nll = [m["train_mean_nll"] for m in metrics if "train_mean_nll" in m]
         test_nll = [m["test/nll"] for m in metrics if "test/nll" in m]
@@ -50,11 +50,18 @@ def test_cookbook_supervised_and_rl_loops(tmp_path):
         second = _drive("sft", server.url, sft, "--num-epochs", "2")
         out = second.stdout + second.stderr
         assert "Resumed training from" in out and "Renderer metadata matches" in out
+        rolling = [c for c in _rows(sft / "checkpoints.jsonl") if c.get("rolling")]
+        run_id = final[0]["state_path"].split("/")[2]
+        listed = {c.tinker_path for c in rest(server.url).list_checkpoints(run_id).result().checkpoints}
+        assert rolling and not any(c["state_path"] in listed for c in rolling[:-1])  # deleted by the loop
         assert len([m for m in _rows(sft / "metrics.jsonl") if "train_mean_nll" in m]) == 16
 
         rl = tmp_path / "rl"
-        _drive("rl", server.url, rl)
+        _drive("rl", server.url, rl, "--steps", "1")
+        resumed = _drive("rl", server.url, rl)  # resumes at batch 1 and finishes batch 2
+        assert "Resum" in resumed.stdout + resumed.stderr
         rl_ckpts = _rows(rl / "checkpoints.jsonl")
+        assert [c["batch"] for c in rl_ckpts if c["name"] != "final"] == [1, 2]
         assert [c["name"] for c in rl_ckpts][-1] == "final"
         assert any("env/all/reward/total" in m for m in _rows(rl / "metrics.jsonl"))
         # what the loops saved is in the server's registry
