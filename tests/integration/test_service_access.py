@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -123,6 +124,26 @@ def test_signed_download_urls_verify_expire_and_refuse_tampering(keyed):
     assert status == 403 and b"expired" in body
     rest(url, keys["alice"]).delete_checkpoint_from_tinker_path(path).result()
     assert _get(good)[0] == 404  # a valid URL of a deleted checkpoint
+
+
+def test_closing_a_session_frees_its_models_but_keeps_its_checkpoints(keyed):
+    svc, url, keys = keyed
+    sc = client(url, keys["alice"])
+    tc = sc.create_lora_training_client(base_model="tiny", rank=2, seed=0).result()
+    path = tc.save_state("kept").result().path
+    assert tc.model_id in svc.runs
+    sc.close("success").result()
+    deadline = time.time() + 30  # the release runs on the compute thread, after queued jobs
+    while tc.model_id in svc.runs and time.time() < deadline:
+        time.sleep(0.05)
+    assert tc.model_id not in svc.runs
+    req = urllib.request.Request(f"{url}/api/v1/optim_step", data=json.dumps(
+        {"model_id": tc.model_id, "seq_id": 99, "adam_params": {}}).encode(), headers={"X-API-Key": keys["alice"]})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 404
+    again = client(url, keys["alice"]).create_training_client_from_state_with_optimizer(path).result()
+    assert again.forward([datum(TOKENS)], "cross_entropy").result().metrics["loss:sum"] > 0
 
 
 def test_request_size_limit(keyed):

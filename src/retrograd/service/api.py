@@ -31,6 +31,7 @@ RUN_ID_RE = re.compile(r"^[0-9a-f-]{36}:train:\d{1,9}$")
 KIND_SEGMENT = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}
 SEGMENT_KIND = {v: k for k, v in KIND_SEGMENT.items()}
 URL_TTL_S = 3600
+SESSION_IDLE_S = 1800  # a session without a heartbeat this long is finished (its runs leave memory)
 LORA_ALPHA = 32.0  # Tinker's LoRA config has no alpha: a server-wide setting (--lora-alpha), kept in manifests
 
 
@@ -94,21 +95,33 @@ class Service:
         self.samplers: dict[str, Sampler] = {}
         self.hosts: dict[tuple, Run] = {}  # models that carry sampler tensors when their run is not live
         self._lock = threading.Lock()
+        self.last_seen: dict[str, float] = {}  # session -> last request (heartbeats every 10 s)
         self.sweep()
 
     def sweep(self) -> None:
-        for row in self.registry.expired():
-            self.registry.forget(row.tinker_path)
-            self.store.remove(row.storage_id)
+        self.sweep_expired()
         removed = self.store.sweep_orphans(self.registry.storage_ids())
         if removed:
             self.log(f"removed {removed} unregistered checkpoint folder(s) (saves cut short)")
+
+    def sweep_expired(self) -> None:
+        """Delete checkpoints past their TTL (reads already hide them; this frees the disk)."""
+        for row in self.registry.expired():
+            self.registry.forget(row.tinker_path)
+            self.store.remove(row.storage_id)
 
     # ---- helpers -------------------------------------------------------------------------------
     def _session(self, caller: Caller, session_id) -> str:
         if not isinstance(session_id, str) or self.registry.session_owner(session_id) != caller.owner:
             raise not_found(f"session {session_id!r}")
         return session_id
+
+    def _live_session(self, caller: Caller, session_id) -> str:
+        session = self._session(caller, session_id)
+        if session not in self.last_seen:
+            raise HttpError(410, f"session {session} has finished (closed, idle for {SESSION_IDLE_S} s, or from before a "
+                                 "server restart); create a new ServiceClient -- saved checkpoints remain loadable")
+        return session
 
     def _base(self, name) -> BaseModel:
         if name not in self.bases:
@@ -151,19 +164,45 @@ class Service:
     def create_session(self, caller: Caller, body: dict) -> dict:
         session_id = str(uuid.uuid4())
         self.registry.add_session(session_id, caller.owner, body.get("tags"), body.get("user_metadata"))
+        self.last_seen[session_id] = time.time()
+        self._drop_idle_sessions()
         return {"type": "create_session", "session_id": session_id}
 
     def heartbeat(self, caller: Caller, body: dict) -> dict:
-        self._session(caller, body.get("session_id"))
+        session = self._session(caller, body.get("session_id"))
+        if session not in self.last_seen:
+            raise HttpError(410, f"session {session} has finished")
+        self.last_seen[session] = time.time()
         return {"type": "session_heartbeat"}
 
     def finish_session(self, caller: Caller, session_id: str) -> dict:
         self.registry.finish_session(self._session(caller, session_id), caller.owner)
+        self._release(session_id)
         return {}
+
+    def _release(self, session_id: str) -> None:
+        """Free a finished session's models and samplers (after the jobs already queued for them):
+        what it saved stays registered; what it did not save is gone, as in Tinker."""
+        self.last_seen.pop(session_id, None)
+        prefix = session_id + ":"
+
+        def drop():
+            for model_id in [m for m in self.runs if m.startswith(prefix)]:
+                del self.runs[model_id]
+                self.executor.close_model(model_id)
+            for sid in [s for s in self.samplers if s.startswith(prefix)]:
+                del self.samplers[sid]
+        self.executor.submit("server", drop)
+
+    def _drop_idle_sessions(self) -> None:
+        cutoff = time.time() - SESSION_IDLE_S
+        for session_id in [s for s, t in list(self.last_seen.items()) if t < cutoff]:
+            self.log(f"session {session_id}: no heartbeat for {SESSION_IDLE_S} s, releasing its models")
+            self._release(session_id)
 
     # ---- training ------------------------------------------------------------------------------
     def create_model(self, caller: Caller, body: dict) -> dict:
-        session = self._session(caller, body.get("session_id"))
+        session = self._live_session(caller, body.get("session_id"))
         base = self._base(body.get("base_model"))
         lora = body.get("lora_config") or {}
         if not lora:
@@ -256,6 +295,7 @@ class Service:
         return self._ordered(caller, body, job)
 
     def _write_checkpoint(self, owner, run: Run, kind, label, path, ttl, meta, replace) -> None:
+        self.sweep_expired()
         def payload(folder: Path) -> None:
             if kind == "external":  # a PEFT adapter folder: loads in HF transformers / PEFT and vLLM
                 from peft import get_peft_model_state_dict
@@ -318,7 +358,7 @@ class Service:
                 self._restore(self.runs[model_id], folder, row, with_optimizer)
                 return {"type": "load_weights", "path": row.tinker_path}
             return self._ordered(caller, body, job)
-        session = self._session(caller, body["session_id"])
+        session = self._live_session(caller, body["session_id"])
         base = self._base(info["base_model"])
         if body.get("base_model") not in (None, base.name):
             raise HttpError(400, f"{row.tinker_path} was trained on {base.name}, not {body['base_model']}")
@@ -352,7 +392,7 @@ class Service:
 
     # ---- sampling ------------------------------------------------------------------------------
     def create_sampling_session(self, caller: Caller, body: dict) -> dict:
-        session = self._session(caller, body.get("session_id"))
+        session = self._live_session(caller, body.get("session_id"))
         sampler_id = f"{session}:sample:{int(body.get('sampling_session_seq_id') or 0)}"
         self.samplers[sampler_id] = self._make_sampler(caller, sampler_id, body.get("model_path"), body.get("base_model"))
         return {"type": "create_sampling_session", "sampling_session_id": sampler_id}

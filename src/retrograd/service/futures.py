@@ -81,6 +81,10 @@ class Executor:
         with self._lock:
             self._models.setdefault(model_id, _ModelQueue(next_seq))
 
+    def close_model(self, model_id: str) -> None:
+        with self._lock:
+            self._models.pop(model_id, None)
+
     def has_model(self, model_id: str) -> bool:
         with self._lock:
             return model_id in self._models
