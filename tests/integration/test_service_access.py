@@ -146,6 +146,26 @@ def test_closing_a_session_frees_its_models_but_keeps_its_checkpoints(keyed):
     assert again.forward([datum(TOKENS)], "cross_entropy").result().metrics["loss:sum"] > 0
 
 
+def test_checkpoint_ttl(keyed):
+    svc, url, keys = keyed
+    rc = rest(url, keys["alice"])
+    tc = client(url, keys["alice"]).create_lora_training_client(base_model="tiny", rank=2, seed=0).result()
+    path = tc.save_state("ttl").result().path
+    [c] = [c for c in rc.list_checkpoints(tc.model_id).result().checkpoints if c.tinker_path == path]
+    assert c.expires_at is None
+    rc.set_checkpoint_ttl_from_tinker_path(path, 7200).result()
+    [c] = [c for c in rc.list_checkpoints(tc.model_id).result().checkpoints if c.tinker_path == path]
+    assert 7100 < (c.expires_at.timestamp() - time.time()) <= 7200
+    rc.set_checkpoint_ttl_from_tinker_path(path, 1).result()
+    time.sleep(1.5)
+    assert path not in {c.tinker_path for c in rc.list_checkpoints(tc.model_id).result().checkpoints}
+    with pytest.raises(tinker.NotFoundError):
+        client(url, keys["alice"]).create_training_client_from_state(path).result()
+    storage = {p.name for p in (svc.state_dir / "checkpoints").iterdir()}
+    tc.save_state("after").result()  # a save sweeps expired checkpoints off the disk
+    assert len(storage - {p.name for p in (svc.state_dir / "checkpoints").iterdir()}) == 1
+
+
 def test_request_size_limit(keyed):
     _, url, keys = keyed
     from retrograd.service.http import MAX_JSON_BYTES
