@@ -33,7 +33,7 @@ def _rows(path: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_cookbook_supervised_and_rl_loops(tmp_path):
+def test_cookbook_supervised_and_rl_loops(tmp_path, real_home):
     server = ServeProcess(tmp_path / "state", "smollm2-135m-instruct")
     try:
         sft = tmp_path / "sft"

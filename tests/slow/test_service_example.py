@@ -25,7 +25,7 @@ def _example(url: str, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_example_train_resume_verify_and_sample(tmp_path):
+def test_example_train_resume_verify_and_sample(tmp_path, real_home):
     server = ServeProcess(tmp_path / "state", "smollm2-135m-instruct")
     try:
         first = _example(server.url, "--max-steps", "4", "--batch-size", "2", "--save-every", "2", "--sample",
