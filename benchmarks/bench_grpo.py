@@ -106,6 +106,7 @@ rewards = [{{ type = "match", extract = "last_number" }}, {{ type = "length", ta
 max_new_tokens = {MAX_NEW}
 temperature = 1.0
 seed = {SEED}
+dtype = "{'bfloat16' if args.worker == 'retrograd_bf16' else 'float32'}"
 """)
     events = []
     cfg = load_config(work / "run.toml")
@@ -184,8 +185,8 @@ def worker_trl(args) -> dict:
             "sampled_tokens": [x.get("completions/mean_length", 0) * PROMPTS * GENS for x in logs],
             "reward": [x.get("rewards/reward/mean", x.get("reward")) for x in logs], "spans": {k: v for k, v in spans.items()}}
 
-
-WORKERS = {"prepare": worker_prepare, "retrograd": worker_retrograd, "trl": worker_trl}
+WORKERS = {"prepare": worker_prepare, "retrograd": worker_retrograd, "retrograd_bf16": worker_retrograd,
+           "trl": worker_trl}
 
 
 def spawn(kind: str, tmp: Path, steps: int, data: Path, gguf: str = "") -> dict:
@@ -214,7 +215,7 @@ def main() -> None:
         data = tmp / "prompts.jsonl"
         write_prompts(data)
         prep = spawn("prepare", tmp, args.steps, data)
-        for kind in ("retrograd", "trl"):
+        for kind in ("retrograd", "retrograd_bf16", "trl"):
             results[kind] = spawn(kind, tmp, args.steps, data, prep["gguf"])
     n_matmul = results["retrograd"]["matmul_params"]
     summary = {}
@@ -230,14 +231,16 @@ def main() -> None:
                          "sampling_share_of_matmul_peak": sampling_tps * 2 * n_matmul / 1e9 / peak,
                          "peak_rss_mb": max(r["process_peak_rss_mb"], r["worker_peak_rss_mb"]),
                          "mean_match_reward": sum(r["reward"]) / len(r["reward"])}
-    rg, trl = summary["retrograd"], summary["trl"]
+    rg, bf, trl = summary["retrograd"], summary["retrograd_bf16"], summary["trl"]
     print(f"\nGRPO LoRA r={LORA_R} q,k,v,o | SmolLM2-135M fp32 | {PROMPTS} prompts x {GENS} completions x <= {MAX_NEW} "
           f"tokens | {args.steps} updates (mean of 2+) | {THREADS} threads | matmul peak {peak:.0f} GFLOP/s")
-    fmt = "{:<30} {:>10} {:>10} {:>10}"
-    print(fmt.format("", "retrograd", "TRL", "ratio"))
+    fmt = "{:<30} {:>10} {:>14} {:>10} {:>10} {:>10}"
+    print("retrograd: rollouts sampled in float32 (like TRL); retrograd bf16: [grpo.sampling] dtype = bfloat16")
+    print(fmt.format("", "retrograd", "retrograd bf16", "TRL", "ratio", "ratio bf16"))
     for key in rg:
-        ratio = f"{rg[key] / trl[key]:.2f}x" if trl[key] else ""
-        print(fmt.format(key, f"{rg[key]:.3f}", f"{trl[key]:.3f}", ratio))
+        r1 = f"{rg[key] / trl[key]:.2f}x" if trl[key] else ""
+        r2 = f"{bf[key] / trl[key]:.2f}x" if trl[key] else ""
+        print(fmt.format(key, f"{rg[key]:.3f}", f"{bf[key]:.3f}", f"{trl[key]:.3f}", r1, r2))
     write_json(out_dir / "result_grpo.json", {"summary": summary, "raw": results, "matmul_gflops": peak,
                                               "versions": versions(), "cpu": cpu_model()})
     print(f"wrote {out_dir / 'result_grpo.json'}")

@@ -23,8 +23,10 @@ def rows(folder, name="grpo"):
     return [json.loads(x) for x in (folder / "runs" / name / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_full_fine_tune_learns_the_reward(tmp_path, tiny_model, cli):
-    cfg = write_grpo_run(tmp_path, tiny_model, FULL, updates=30)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_full_fine_tune_learns_the_reward(tmp_path, tiny_model, cli, dtype):
+    # bfloat16: rollouts sampled from bf16 copies of the weights, training stays float32
+    cfg = write_grpo_run(tmp_path, tiny_model, FULL + f'[grpo.sampling]\ndtype = "{dtype}"\n', updates=30)
     cfg.write_text(cfg.read_text().replace("[lora]\nrank = 4\nalpha = 8\n", ""))
     cli("train", cfg, check=0)
     r = [x["reward/mean"] for x in rows(tmp_path) if "reward/mean" in x]

@@ -92,3 +92,30 @@ def test_folded_lora_samples_like_the_adapter_and_restores_the_weights(tiny_mode
     assert max(abs(a - b) for x, y in zip(folded.behaviour_logprobs, plain.behaviour_logprobs)
                for a, b in zip(x, y)) < 1e-5
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # bit for bit
+
+
+def test_sampling_copy_casts_the_folded_weights_and_leaves_the_model_alone(tmp_path):
+    from retrograd.models.lora import attach_lora
+    from retrograd.rl.sampler import lora_folded, sampling_copy
+    from tiny import make_model_dir
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(make_model_dir(tmp_path / "m"))
+    model, _ = attach_lora(base, 4, 8, ["q", "v"], 0.0, 0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)  # a non-zero adapter, so folding matters
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = torch.tensor([[3, 9, 4, 7, 1, 5]])
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        with lora_folded(model), sampling_copy(model, torch.bfloat16) as low:
+            assert all(p.dtype == torch.bfloat16 for p in low.parameters())
+            got = low(input_ids=ids).logits.float()
+            head = low.get_output_embeddings().weight
+            assert head.data_ptr() == low.get_input_embeddings().weight.data_ptr()  # tied stays tied
+        with sampling_copy(model, torch.float32) as same:
+            assert same is model
+    assert torch.allclose(got, want, atol=0.05, rtol=0.05) and not torch.equal(got, want)
+    for n, p in model.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, before[n]), n

@@ -93,6 +93,24 @@ def lora_folded(model):
             base.weight.data = original
 
 
+@contextmanager
+def sampling_copy(model, dtype: torch.dtype):
+    """The model to sample with: `model` itself, or for another dtype a copy whose parameters are
+    cast from the current ones (inside `lora_folded`, the merged weights), made per use and freed
+    after. Buffers (rotary frequencies) stay shared and in float32; the original is untouched."""
+    if all(p.dtype == dtype for p in model.parameters()):
+        yield model
+        return
+    import copy
+    memo = {id(p): torch.nn.Parameter(p.detach().to(dtype), requires_grad=False) for p in model.parameters()}
+    memo.update({id(b): b for b in model.buffers()})
+    low = copy.deepcopy(model, memo)
+    try:
+        yield low
+    finally:
+        del low, memo
+
+
 def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token per row of probs [B, V] by inverse-CDF: one uniform per row against the running sum.
     torch.multinomial draws an exponential per vocabulary entry (~30 ms for 32 x 49k on 2 cores, a

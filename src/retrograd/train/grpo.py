@@ -26,7 +26,8 @@ from retrograd.data.prompts import load_prompts
 from retrograd.data.sampler import evenly_spaced
 from retrograd.data.sft import resolve_data_path
 from retrograd.rl.rewards import rewards_from_config
-from retrograd.rl.sampler import eos_ids, lora_folded, sample, stop_string_check
+from retrograd.models.load import DTYPES
+from retrograd.rl.sampler import eos_ids, lora_folded, sample, sampling_copy, stop_string_check
 from retrograd.train.loop import Setup, TrainResult, run_training
 from retrograd.train.sft import CE_CHUNK_ROWS, TokenLoss
 
@@ -190,8 +191,11 @@ class GrpoTask:
 
     def _sample(self, prompts, group_size, seed_offset: int, greedy: bool = False):
         gen = None if greedy else torch.Generator().manual_seed(self.sp.seed * 1_000_003 + seed_offset)
-        with lora_folded(self.s.model):
-            return sample(self.s.model, [p.ids for p in prompts], group_size, self.sp.max_new_tokens,
+        # rollouts in sampling.dtype; greedy evaluation always in float32 (the measured accuracy
+        # does not depend on a speed setting)
+        dtype = torch.float32 if greedy else DTYPES[self.sp.dtype]
+        with lora_folded(self.s.model), sampling_copy(self.s.model, dtype) as model:
+            return sample(model, [p.ids for p in prompts], group_size, self.sp.max_new_tokens,
                           eos_ids=self.eos_ids, pad_id=self.s.tokenizer.pad_token_id, generator=gen,
                           temperature=0.0 if greedy else self.sp.temperature, top_k=self.sp.top_k,
                           top_p=self.sp.top_p, stop=self._stop_check())
