@@ -66,6 +66,33 @@ def test_custom_python_and_its_errors(tmp_path):
         build_rewards([{"type": "format", "patern": "x"}], tmp_path)
 
 
+def test_a_hanging_python_reward_stops_with_its_name_and_prompt(tmp_path):
+    (tmp_path / "hangrewards.py").write_text(textwrap.dedent("""
+        import time
+        def sleeps(prompts, completions, **kw):
+            time.sleep(3600)
+        def spins(prompts, completions, **kw):
+            while True:
+                try:
+                    sum(range(1000))
+                except Exception:  # a reward's own catch-all must not swallow the timeout
+                    pass
+        def quick(prompts, completions, **kw):
+            return [1.0] * len(completions)
+    """))
+    import time
+    for fn in ("sleeps", "spins"):
+        t = time.monotonic()
+        with pytest.raises(RewardError, match=rf"hangrewards:{fn}' did not return within 0.5 s.*prompt 'q'"):
+            score([{"type": "python", "function": f"hangrewards:{fn}", "timeout_seconds": 0.5}], ["a"], tmp_path)
+        assert time.monotonic() - t < 10
+    got, = score([{"type": "python", "function": "hangrewards:quick", "timeout_seconds": 0.5}], ["a", "b"], tmp_path)
+    assert got == [1.0, 1.0]
+    time.sleep(0.8)  # no stray timeout fires after a call that returned in time
+    with pytest.raises(ConfigError, match="timeout_seconds must be a positive"):
+        build_rewards([{"type": "python", "function": "hangrewards:quick", "timeout_seconds": 0}], tmp_path)
+
+
 PERSISTENT = """
 import json, sys
 hello = json.loads(sys.stdin.readline())

@@ -12,10 +12,11 @@ Built in (`[[grpo.rewards]]` tables, `type = ...`, each with an optional `weight
            'retrograd[math]'); each check has `timeout_seconds`
   format   1 when `pattern` (a Python regex) matches (`fullmatch = true` for the whole text)
   length   -penalty * max(0, characters - target) / target
-  python   `function = "module:name"` (or module.name), imported with the TOML's folder on sys.path
+  python   `function = "module:name"` (or module.name), imported with the TOML's folder on sys.path;
+           a call that has not returned after `timeout_seconds` (default 600) stops the run
   command  an external program speaking retrograd-reward/1 (rl/reward_command.py)
 
-A reward that raises, returns the wrong count, or a non-finite value stops the run with a message
+A reward that raises, hangs, returns the wrong count, or a non-finite value stops the run with a message
 naming the reward and the prompt; it is never replaced by a silent zero.
 """
 from __future__ import annotations
@@ -23,7 +24,9 @@ from __future__ import annotations
 import importlib
 import math
 import re
+import signal
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -126,7 +129,41 @@ def length_reward(target: int, penalty: float = 1.0):
     return length
 
 
-def python_reward(function: str, base: Path):
+class _RewardTimeout(BaseException):
+    """Raised inside a hung reward call (a BaseException, so a reward's own `except Exception`
+    cannot swallow it)."""
+
+
+def call_with_timeout(fn, seconds: float, *args, **kwargs):
+    """fn(*args, **kwargs), interrupted after `seconds`: a watchdog thread signals the main thread
+    (SIGUSR1), whose handler raises inside the call -- this ends busy loops and blocking sleeps or
+    reads alike, and leaves SIGALRM to the reward (math-verify times its checks with it). Off the
+    main thread no signal can reach the call, so it runs without a limit."""
+    if threading.current_thread() is not threading.main_thread():
+        return fn(*args, **kwargs)
+    done = threading.Event()
+
+    def on_signal(signum, frame):
+        if not done.is_set():
+            raise _RewardTimeout()
+
+    previous = signal.signal(signal.SIGUSR1, on_signal)
+    main = threading.main_thread().ident
+
+    def watchdog():
+        if not done.wait(seconds):
+            signal.pthread_kill(main, signal.SIGUSR1)
+    dog = threading.Thread(target=watchdog, name="reward-timeout", daemon=True)
+    dog.start()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        done.set()
+        dog.join()
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def python_reward(function: str, base: Path, timeout_seconds: float = 600):
     module_name, sep, attr = function.partition(":")
     if not sep:
         module_name, _, attr = function.rpartition(".")
@@ -141,7 +178,16 @@ def python_reward(function: str, base: Path):
                           "the import path") from None
     if not callable(fn):
         raise ConfigError(f"reward 'python': {function!r} is not callable")
-    return fn
+    if not (isinstance(timeout_seconds, (int, float)) and timeout_seconds > 0):
+        raise ConfigError(f"reward 'python' {function!r}: timeout_seconds must be a positive number of seconds")
+
+    def limited(prompts, completions, **columns):
+        try:
+            return call_with_timeout(fn, timeout_seconds, prompts, completions, **columns)
+        except _RewardTimeout:
+            raise RewardError(f"reward {function!r} did not return within {timeout_seconds} s (its "
+                              f"timeout_seconds); batch starting with prompt {prompts[0][:80]!r}") from None
+    return limited
 
 
 @dataclass

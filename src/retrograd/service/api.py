@@ -192,6 +192,7 @@ class Service:
                 self.executor.close_model(model_id)
             for sid in [s for s in self.samplers if s.startswith(prefix)]:
                 del self.samplers[sid]
+            self.log(f"session {session_id} finished; its models left memory")
         self.executor.submit("server", drop)
 
     def _drop_idle_sessions(self) -> None:
@@ -223,6 +224,8 @@ class Service:
                              bool(lora.get("train_unembed", True)))
             self.runs[model_id] = run
             self.registry.add_run(model_id, session, caller.owner, base.name, run.lora, meta)
+            self.log(f"{caller.owner}: created {model_id} on {base.name} (LoRA r={run.lora['rank']}, "
+                     f"{', '.join(run.lora['modules'])})")
             return {"type": "create_model", "model_id": model_id}
 
         self.run_owner[model_id] = caller.owner
@@ -319,6 +322,7 @@ class Service:
                                                    now + ttl if ttl else None, meta), replace=replace)
         if old is not None:
             self.store.remove(old.storage_id)
+        self.log(f"{owner}: saved {path} (step {run.steps}, {size / 1e6:.1f} MB)")
 
     def save_weights(self, caller: Caller, body: dict) -> dict:
         return self._save(caller, body, "training")
@@ -372,6 +376,8 @@ class Service:
             self._restore(run, folder, row, with_optimizer)
             self.runs[model_id] = run
             self.registry.add_run(model_id, session, caller.owner, base.name, run.lora, meta)
+            self.log(f"{caller.owner}: created {model_id} from {row.tinker_path} (step {run.steps}"
+                     f"{', with optimizer state' if with_optimizer else ''})")
             return {"type": "load_weights", "model_id": model_id, "path": row.tinker_path}
 
         self.run_owner[model_id] = caller.owner
