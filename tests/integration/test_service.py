@@ -220,3 +220,22 @@ shuffle = false
             sdk_losses.append(fb.result().metrics["loss:sum"])
     np.testing.assert_allclose(sdk_losses, train_losses, rtol=2e-5)
     assert sdk_losses[-1] < sdk_losses[0]
+
+
+def test_soft_targets_n_by_k(served):
+    """[N, K] target_tokens / weights (the cookbook's top-K distillation form; the SDK sends them as
+    sparse CSR): K log-probs per position, the loss weighted per entry."""
+    import torch
+    _, url, _ = served
+    tc = client(url).create_lora_training_client(base_model="tiny", rank=2, seed=0).result()
+    plain = _lp(tc.forward([datum(TOKENS)], "cross_entropy").result())
+    alt = [(t + 1) % 40 + 5 for t in TOKENS[1:]]
+    targets = torch.tensor([TOKENS[1:], alt]).T  # [N, 2]
+    weights = torch.tensor([[0.75, 0.25]] * len(alt))
+    d = types.Datum(model_input=types.ModelInput.from_ints(TOKENS[:-1]),
+                    loss_fn_inputs={"target_tokens": types.TensorData.from_torch(targets),
+                                    "weights": types.TensorData.from_torch(weights)})
+    out = tc.forward([d], "cross_entropy").result()
+    lp = np.asarray(out.loss_fn_outputs[0]["logprobs"].data, dtype=np.float64).reshape(len(alt), 2)
+    np.testing.assert_allclose(lp[:, 0], plain, atol=1e-5)
+    assert out.metrics["loss:sum"] == pytest.approx(-(lp * weights.numpy()).sum(), rel=1e-5)
