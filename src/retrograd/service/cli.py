@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from retrograd.errors import ConfigError, RetrogradError
+from retrograd.errors import ConfigError, ModelError, RetrogradError
 from retrograd.paths import home
 
 POLICY_CHOICES = ("rollout-enabled", "actor-only")
@@ -100,7 +100,10 @@ def run_serve(args) -> int:
     bases = {}
     for name in names:
         log(f"loading {name} ...")
-        bases[name] = read_base(name, name, log)
+        try:
+            bases[name] = read_base(name, name, log)
+        except ModelError as e:
+            raise ModelError(f"--models {name}: {str(e).replace('model.path ', '', 1)}") from None
     svc = Service(state_dir, bases, policies, log, lora_alpha=args.lora_alpha)
     server = make_server(svc, args.host, args.port, log)
     host, port = server.server_address[:2]
