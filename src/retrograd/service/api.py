@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -94,7 +93,6 @@ class Service:
         self.run_owner: dict[str, str] = {}
         self.samplers: dict[str, Sampler] = {}
         self.hosts: dict[tuple, Run] = {}  # models that carry sampler tensors when their run is not live
-        self._lock = threading.Lock()
         self.last_seen: dict[str, float] = {}  # session -> last request (heartbeats every 10 s)
         self.sweep()
 
