@@ -27,6 +27,7 @@ from retrograd.algorithms.sft import linear_token_logprobs
 from retrograd.algorithms.tinker_losses import REQUIRED_INPUTS, datum_loss, resolve_config
 from retrograd.models.lora import ALIASES, attach_lora, block_linear_names
 from retrograd.rl.sampler import eos_ids, lora_folded, sample, stop_string_check
+from retrograd.train.common import clip_gradients
 
 ATTN = ("q", "k", "v", "o")
 MLP = ("ffn_gate", "ffn_up", "ffn_down")
@@ -103,15 +104,10 @@ class Run:
 
     def optim_step(self, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                    grad_clip_norm: float) -> dict:
-        params = list(self.params.values())
-        if self.optimizer is None:
-            self.optimizer = torch.optim.AdamW(params, lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
-        for g in self.optimizer.param_groups:
+        optimizer = self.ensure_optimizer()
+        for g in optimizer.param_groups:
             g.update(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
-        grads = [p.grad for p in params if p.grad is not None]
-        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
-        if grad_clip_norm > 0 and grads:
-            torch.nn.utils.clip_grad_norm_(params, grad_clip_norm)
+        norm = clip_gradients(list(self.params.values()), grad_clip_norm)  # the norm before clipping
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1

@@ -21,17 +21,13 @@ from dataclasses import dataclass, field
 
 from retrograd.algorithms.tinker_losses import LossInputError
 from retrograd.errors import RetrogradError
+from retrograd.service.engine import UserError
 
 RESULT_TTL_S = 3600  # completed results are kept this long for (re-)polling
 
 
 class JobError(Exception):
     """A job failed for a reason the client should read (category "user")."""
-
-
-def _user_errors():
-    from retrograd.service.engine import UserError
-    return (JobError, UserError, LossInputError, RetrogradError)
 
 
 @dataclass
@@ -125,7 +121,7 @@ class Executor:
                 p, fn = self._ready.popleft()
             try:
                 p.result = fn()
-            except _user_errors() as e:
+            except (JobError, UserError, LossInputError, RetrogradError) as e:
                 p.error = (str(e), "user")
             except Exception as e:  # reported to the client; the server keeps serving
                 self.log("job failed:\n" + traceback.format_exc())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import os
 import re
 import secrets
@@ -22,6 +23,7 @@ import time
 import uuid
 from pathlib import Path
 
+from retrograd.checkpoint.fingerprint import sha256_file
 from retrograd.checkpoint.state import CRASH_ENV, MANIFEST, save_state
 
 _STORAGE_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -47,10 +49,8 @@ class CheckpointStore:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         final = save_state(self.root, storage_id, write, meta)
-        import json
         files = json.loads((final / MANIFEST).read_text())["files"]
-        files[MANIFEST] = {"bytes": (final / MANIFEST).stat().st_size,
-                           "sha256": hashlib.sha256((final / MANIFEST).read_bytes()).hexdigest()}
+        files[MANIFEST] = {"bytes": (final / MANIFEST).stat().st_size, "sha256": sha256_file(final / MANIFEST)}
         return storage_id, files, sum(f["bytes"] for f in files.values())
 
     def remove(self, storage_id: str) -> None:
