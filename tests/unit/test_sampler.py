@@ -65,13 +65,17 @@ def test_top_k_and_top_p():
 
 
 def test_draw_follows_the_distribution_and_never_picks_a_zero():
-    from retrograd.rl.sampler import draw
+    from retrograd.rl.sampler import draw_from_logits
     probs = torch.tensor([[0.5, 0.0, 0.3, 0.2]]).repeat(20000, 1)
-    got = draw(probs, torch.Generator().manual_seed(0))
+    got, logp = draw_from_logits(probs.log() + 3.0, torch.Generator().manual_seed(0))  # any shift
     freq = torch.bincount(got, minlength=4).double() / len(got)
     assert freq[1] == 0 and torch.allclose(freq, probs[0].double(), atol=0.015)
-    again = draw(probs, torch.Generator().manual_seed(0))
+    assert torch.allclose(logp, probs[0].log()[got], atol=1e-6)
+    again, _ = draw_from_logits(probs.log(), torch.Generator().manual_seed(0))
     assert torch.equal(got, again)
+    # the last token masked out: a uniform that rounds up to the total still lands on a real token
+    masked = torch.tensor([[0.0, 0.0, float("-inf")]]).repeat(5000, 1)
+    assert int(draw_from_logits(masked, torch.Generator().manual_seed(1))[0].max()) <= 1
 
 
 def test_folded_lora_samples_like_the_adapter_and_restores_the_weights(tiny_model):

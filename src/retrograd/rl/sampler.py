@@ -2,8 +2,10 @@
 
 All prompts of an update are prefilled together once (left-padded, explicit position ids), the
 cache is then repeated group_size times so a group shares its prompt's prefill, and every decode
-step runs the whole batch one token forward. A sequence stops at its first EOS (or stop string);
-what the batch computes after that is never returned, so nothing after EOS is trained.
+step runs the batch one token forward. A sequence stops at its first EOS (or stop string) and
+leaves the batch, so nothing after EOS is sampled or trained and later steps get cheaper. The
+decode engines (a fast one for Llama-family models, transformers' forward for the rest) live in
+rl/decoder.py.
 
 Convention for the returned log-probabilities: `behaviour_logprobs` are under the distribution
 that was actually sampled (temperature, top-k, top-p applied). Training uses the policy's plain
@@ -111,24 +113,62 @@ def sampling_copy(model, dtype: torch.dtype):
         del low, memo
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token per row of probs [B, V] by inverse-CDF: one uniform per row against the running sum.
-    torch.multinomial draws an exponential per vocabulary entry (~30 ms for 32 x 49k on 2 cores, a
-    sixth of a decode step); this costs one cumsum. A token of probability 0 is never drawn."""
-    cdf = probs.cumsum(-1)  # [B, V]
-    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=probs.shape[1] - 1)
+def draw_from_logits(logits: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token [B], its log-probability [B]) drawn from softmax(logits [B, V]) by inverse CDF: one
+    uniform per row against the running sum of exp(logits - max). torch.multinomial draws an
+    exponential per vocabulary entry (a sixth of a decode step at 49k tokens); this costs one exp and
+    one cumsum, and no separate log_softmax pass. A token of probability 0 (-inf) is never drawn."""
+    logits = logits.float().cpu()
+    top = logits.max(-1, keepdim=True).values
+    cdf = (logits - top).exp_().cumsum_(-1)
+    total = cdf[:, -1:]
+    u = torch.rand(logits.shape[0], 1, generator=generator, dtype=cdf.dtype) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # u < total after rounding
+    tok = torch.searchsorted(cdf, u, right=True).squeeze(1)
+    chosen = logits.gather(1, tok[:, None])
+    return tok, (chosen - top - total.log()).squeeze(1)
+
+
+def decoder_for(model, dtype: torch.dtype = torch.float32):
+    """(decoder, context): the fast Llama-family engine on the live tensors when it can run this model,
+    else transformers' forward on the folded LoRA (and a `dtype` copy), which `context` sets up.
+    RETROGRAD_SAMPLER=generic forces the generic path (for comparisons)."""
+    import os
+
+    from retrograd.rl.decoder import HFDecoder, LlamaDecoder, Unsupported
+    if os.environ.get("RETROGRAD_SAMPLER", "") != "generic":
+        try:
+            return LlamaDecoder(model, dtype), nullcontext()
+        except Unsupported:
+            pass
+
+    @contextmanager
+    def generic():
+        with lora_folded(model), sampling_copy(model, dtype) as m:
+            yield HFDecoder(m)
+    return None, generic()
 
 
 @torch.no_grad()
 def sample(model, prompts: list[list[int]], group_size: int, max_new_tokens: int, *, eos_ids: set[int],
            pad_id: int, generator: torch.Generator | None, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-           stop=None) -> Samples:
+           stop=None, dtype: torch.dtype = torch.float32) -> Samples:
     """`stop(completion_ids) -> int | None`: optional stop-string check, returning how many tokens to keep.
-    temperature = 0 decodes greedily (no generator needed)."""
+    temperature = 0 decodes greedily (no generator needed). `dtype` is the precision of the big
+    matmuls while sampling (see rl/decoder.py); the model itself is never changed."""
     was_training = model.training
     model.eval()
-    device = next(model.parameters()).device
+    try:
+        fast, context = decoder_for(model, dtype)
+        with context as generic:
+            return _decode(fast or generic, prompts, group_size, max_new_tokens, eos_ids, pad_id, generator,
+                           temperature, top_k, top_p, stop, next(model.parameters()).device)
+    finally:
+        model.train(was_training)
+
+
+def _decode(decoder, prompts, group_size, max_new_tokens, eos_ids, pad_id, generator, temperature, top_k, top_p,
+            stop, device) -> Samples:
     n_prompts, width = len(prompts), max(len(p) for p in prompts)
     ids = torch.full((n_prompts, width), pad_id, dtype=torch.long)
     attention = torch.zeros((n_prompts, width), dtype=torch.long)
@@ -136,47 +176,40 @@ def sample(model, prompts: list[list[int]], group_size: int, max_new_tokens: int
         ids[i, width - len(p):] = torch.tensor(p)
         attention[i, width - len(p):] = 1
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    ids, attention, positions = ids.to(device), attention.to(device), positions.to(device)
-    out = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1)
-    cache = out.past_key_values
-    cache.batch_repeat_interleave(group_size)
-    logits = out.logits[:, -1].repeat_interleave(group_size, 0)  # [B, V]
-    attention = attention.repeat_interleave(group_size, 0)
-    next_pos = positions[:, -1:].repeat_interleave(group_size, 0) + 1  # [B, 1]
+    logits = decoder.prefill(ids.to(device), attention.to(device), positions.to(device), group_size, max_new_tokens)
 
     batch = n_prompts * group_size
     tokens = torch.empty((batch, max_new_tokens), dtype=torch.long)
     logps = torch.empty((batch, max_new_tokens), dtype=torch.float32)
     lengths = torch.full((batch,), max_new_tokens, dtype=torch.long)
     done = torch.zeros(batch, dtype=torch.bool)
+    active = torch.arange(batch)  # the completion each row of the decoder's batch belongs to
     eos = torch.tensor(sorted(eos_ids), dtype=torch.long)
-    steps = 0
+    decoded = 0
     for t in range(max_new_tokens):
         if temperature == 0:  # greedy (evaluation): the most likely token, log-probability 0
             tok = logits.argmax(-1).cpu()
-            logps[:, t] = 0.0
+            logps[active, t] = 0.0
         else:
-            dist = filter_logits(logits, temperature, top_k, top_p)
-            logp_all = torch.log_softmax(dist, -1).cpu()
-            tok = draw(logp_all.exp(), generator)  # [B]
-            logps[:, t] = logp_all.gather(1, tok[:, None]).squeeze(1)
-        tokens[:, t] = tok
-        steps += 1
-        finished_now = ~done & torch.isin(tok, eos)
-        lengths[finished_now] = t + 1
-        done |= finished_now
+            tok, logp = draw_from_logits(filter_logits(logits, temperature, top_k, top_p), generator)
+            logps[active, t] = logp
+        tokens[active, t] = tok
+        decoded += len(active)
+        finished = active[torch.isin(tok, eos)]
+        lengths[finished], done[finished] = t + 1, True
         if stop is not None:
-            for i in torch.nonzero(~done).flatten().tolist():
+            for i in active[~done[active]].tolist():
                 keep = stop(tokens[i, :t + 1].tolist())
                 if keep is not None:
                     lengths[i], done[i] = keep, True
         if bool(done.all()) or t == max_new_tokens - 1:
             break
-        attention = torch.cat([attention, torch.ones((batch, 1), dtype=attention.dtype, device=device)], 1)
-        out = model(input_ids=tok[:, None].to(device), attention_mask=attention, position_ids=next_pos,
-                    past_key_values=cache, use_cache=True)
-        cache, logits, next_pos = out.past_key_values, out.logits[:, -1], next_pos + 1
-    model.train(was_training)
+        running = ~done[active]
+        if not bool(running.all()):  # finished rows leave the batch: later steps are smaller
+            rows = torch.nonzero(running).flatten()
+            decoder.keep(rows.to(device))
+            active, tok = active[rows], tok[rows]
+        logits = decoder.step(tok.to(device))
     n = lengths.tolist()
     return Samples([i // group_size for i in range(batch)], [tokens[i, :n[i]].tolist() for i in range(batch)],
-                   [logps[i, :n[i]].tolist() for i in range(batch)], (~done).tolist(), steps * batch)
+                   [logps[i, :n[i]].tolist() for i in range(batch)], (~done).tolist(), decoded)

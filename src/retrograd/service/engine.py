@@ -26,7 +26,7 @@ import torch
 from retrograd.algorithms.sft import linear_token_logprobs
 from retrograd.algorithms.tinker_losses import REQUIRED_INPUTS, datum_loss, resolve_config
 from retrograd.models.lora import ALIASES, attach_lora, block_linear_names
-from retrograd.rl.sampler import eos_ids, lora_folded, sample, stop_string_check
+from retrograd.rl.sampler import eos_ids, sample, stop_string_check
 from retrograd.train.common import clip_gradients
 
 ATTN = ("q", "k", "v", "o")
@@ -151,8 +151,8 @@ class Run:
 def shared_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of the module tree that shares the frozen base tensors (parameters and buffers):
     PEFT then wraps the copy's layers without touching the served base model, and a run costs its
-    adapter, not another copy of the weights. (`lora_folded` re-points a shared weight's .data while
-    one sampling request runs on the compute thread; nothing else runs meanwhile.)"""
+    adapter, not another copy of the weights. (The sampler's generic path, `lora_folded`, re-points a
+    shared weight's .data while one request runs on the compute thread; nothing else runs meanwhile.)"""
     memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
     return copy.deepcopy(model, memo)
 
@@ -265,10 +265,9 @@ def sample_sequences(model, tokenizer, prompt: list[int], num_samples: int, para
     seed = params.get("seed")
     gen = torch.Generator().manual_seed(int(seed) if seed is not None else int(torch.randint(0, 2**62, ()).item()))
     top_k = int(params.get("top_k", -1))
-    with lora_folded(model):
-        out = sample(model, [prompt], num_samples, max_tokens, eos_ids=eos, pad_id=tokenizer.pad_token_id or 0,
-                     generator=gen, temperature=temperature, top_k=top_k if top_k > 0 else 0,
-                     top_p=float(params.get("top_p", 1.0)), stop=stop_string_check(tokenizer, strings))
+    out = sample(model, [prompt], num_samples, max_tokens, eos_ids=eos, pad_id=tokenizer.pad_token_id or 0,
+                 generator=gen, temperature=temperature, top_k=top_k if top_k > 0 else 0,
+                 top_p=float(params.get("top_p", 1.0)), stop=stop_string_check(tokenizer, strings))
     return [{"tokens": t, "logprobs": lp, "stopped": not tr}
             for t, lp, tr in zip(out.completion_ids, out.behaviour_logprobs, out.truncated)]
 

@@ -27,7 +27,7 @@ from retrograd.data.sampler import evenly_spaced
 from retrograd.data.sft import resolve_data_path
 from retrograd.rl.rewards import rewards_from_config
 from retrograd.models.load import DTYPES
-from retrograd.rl.sampler import eos_ids, lora_folded, sample, sampling_copy, stop_string_check
+from retrograd.rl.sampler import eos_ids, sample, stop_string_check
 from retrograd.train.loop import Setup, TrainResult, run_training
 from retrograd.train.sft import CE_CHUNK_ROWS, TokenLoss
 
@@ -194,11 +194,10 @@ class GrpoTask:
         # rollouts in sampling.dtype; greedy evaluation always in float32 (the measured accuracy
         # does not depend on a speed setting)
         dtype = torch.float32 if greedy else DTYPES[self.sp.dtype]
-        with lora_folded(self.s.model), sampling_copy(self.s.model, dtype) as model:
-            return sample(model, [p.ids for p in prompts], group_size, self.sp.max_new_tokens,
-                          eos_ids=self.eos_ids, pad_id=self.s.tokenizer.pad_token_id, generator=gen,
-                          temperature=0.0 if greedy else self.sp.temperature, top_k=self.sp.top_k,
-                          top_p=self.sp.top_p, stop=self._stop_check())
+        return sample(self.s.model, [p.ids for p in prompts], group_size, self.sp.max_new_tokens,
+                      eos_ids=self.eos_ids, pad_id=self.s.tokenizer.pad_token_id, generator=gen,
+                      temperature=0.0 if greedy else self.sp.temperature, top_k=self.sp.top_k,
+                      top_p=self.sp.top_p, stop=self._stop_check(), dtype=dtype)
 
     def _score(self, prompts, samples) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[str]]:
         tok = self.s.tokenizer
