@@ -11,7 +11,10 @@ A by-hand benchmark, not a test. Same model, prompts and settings on both sides:
               last integer of the completion is a + b, minus 0.001 per character beyond the first (a
               tie-breaker, so every group has a learning signal and both sides train on all 16
               completions; retrograd leaves groups with equal rewards out of the step, TRL does not)
-  other       fp32, no gradient checkpointing, 2 threads, seed 0; TRL generates with transformers'
+  precision   run twice: all fp32 on both sides; then model weights in bf16 on both sides
+              (retrograd [model] dtype = "bfloat16", whose sampler then runs bf16 matmuls too; TRL
+              model.to(torch.bfloat16)). The published TRL baseline is the fp32 run.
+  other       no gradient checkpointing, 2 threads, seed 0; TRL generates with transformers'
               generate (no vLLM), retrograd with its own sampler
 
 Reported: seconds per update (mean of updates 2+), its split (sampling / reward / training), peak
@@ -106,8 +109,11 @@ rewards = [{{ type = "match", extract = "last_number" }}, {{ type = "length", ta
 max_new_tokens = {MAX_NEW}
 temperature = 1.0
 seed = {SEED}
-dtype = "{'bfloat16' if args.worker == 'retrograd_bf16' else 'float32'}"
+dtype = "auto"
 """)
+    if args.worker == "retrograd_bf16":  # the whole run in bf16: model weights, sampling and training
+        toml = (work / "run.toml").read_text()
+        (work / "run.toml").write_text(toml.replace('device = "cpu"\n', 'device = "cpu"\ndtype = "bfloat16"\n'))
     events = []
     cfg = load_config(work / "run.toml")
     train_grpo(cfg, log=lambda m: (events.append(str(m)), print(m, flush=True)))
@@ -154,6 +160,8 @@ def worker_trl(args) -> dict:
 
     rows = [json.loads(x) for x in Path(args.data).read_text().splitlines()]
     model, tok = load_trl_model(args.gguf)
+    if args.worker == "trl_bf16":  # the whole run in bf16, like retrograd's [model] dtype = "bfloat16"
+        model = model.to(torch.bfloat16)
     tok.padding_side = "left"
 
     class StepTimer(TrainerCallback):
@@ -185,8 +193,9 @@ def worker_trl(args) -> dict:
             "sampled_tokens": [x.get("completions/mean_length", 0) * PROMPTS * GENS for x in logs],
             "reward": [x.get("rewards/reward/mean", x.get("reward")) for x in logs], "spans": {k: v for k, v in spans.items()}}
 
+KINDS = ("retrograd", "trl", "retrograd_bf16", "trl_bf16")
 WORKERS = {"prepare": worker_prepare, "retrograd": worker_retrograd, "retrograd_bf16": worker_retrograd,
-           "trl": worker_trl}
+           "trl": worker_trl, "trl_bf16": worker_trl}
 
 
 def spawn(kind: str, tmp: Path, steps: int, data: Path, gguf: str = "") -> dict:
@@ -215,7 +224,7 @@ def main() -> None:
         data = tmp / "prompts.jsonl"
         write_prompts(data)
         prep = spawn("prepare", tmp, args.steps, data)
-        for kind in ("retrograd", "retrograd_bf16", "trl"):
+        for kind in KINDS:
             results[kind] = spawn(kind, tmp, args.steps, data, prep["gguf"])
     n_matmul = results["retrograd"]["matmul_params"]
     summary = {}
@@ -231,16 +240,18 @@ def main() -> None:
                          "sampling_share_of_matmul_peak": sampling_tps * 2 * n_matmul / 1e9 / peak,
                          "peak_rss_mb": max(r["process_peak_rss_mb"], r["worker_peak_rss_mb"]),
                          "mean_match_reward": sum(r["reward"]) / len(r["reward"])}
-    rg, bf, trl = summary["retrograd"], summary["retrograd_bf16"], summary["trl"]
-    print(f"\nGRPO LoRA r={LORA_R} q,k,v,o | SmolLM2-135M fp32 | {PROMPTS} prompts x {GENS} completions x <= {MAX_NEW} "
-          f"tokens | {args.steps} updates (mean of 2+) | {THREADS} threads | matmul peak {peak:.0f} GFLOP/s")
-    fmt = "{:<30} {:>10} {:>14} {:>10} {:>10} {:>10}"
-    print("retrograd: rollouts sampled in float32 (like TRL); retrograd bf16: [grpo.sampling] dtype = bfloat16")
-    print(fmt.format("", "retrograd", "retrograd bf16", "TRL", "ratio", "ratio bf16"))
+    print(f"\nGRPO LoRA r={LORA_R} q,k,v,o | SmolLM2-135M | {PROMPTS} prompts x {GENS} completions x <= {MAX_NEW} "
+          f"tokens | {args.steps} updates (mean of 2+) | {THREADS} threads | fp32 matmul peak {peak:.0f} GFLOP/s")
+    print("fp32: everything in float32 on both sides; bf16: model weights in bfloat16 on both sides "
+          "(retrograd [model] dtype = \"bfloat16\", TRL model.to(bfloat16))")
+    fmt = "{:<30} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>12}"
+    print(fmt.format("", "rg fp32", "TRL fp32", "ratio", "rg bf16", "TRL bf16", "ratio", "bf16/TRL fp32"))
+    rg, trl, rb, tb = (summary[k] for k in KINDS)
     for key in rg:
-        r1 = f"{rg[key] / trl[key]:.2f}x" if trl[key] else ""
-        r2 = f"{bf[key] / trl[key]:.2f}x" if trl[key] else ""
-        print(fmt.format(key, f"{rg[key]:.3f}", f"{bf[key]:.3f}", f"{trl[key]:.3f}", r1, r2))
+        def ratio(a, b):
+            return f"{a[key] / b[key]:.2f}x" if b[key] else ""
+        print(fmt.format(key, f"{rg[key]:.3f}", f"{trl[key]:.3f}", ratio(rg, trl), f"{rb[key]:.3f}", f"{tb[key]:.3f}",
+                         ratio(rb, tb), ratio(rb, trl)))
     write_json(out_dir / "result_grpo.json", {"summary": summary, "raw": results, "matmul_gflops": peak,
                                               "versions": versions(), "cpu": cpu_model()})
     print(f"wrote {out_dir / 'result_grpo.json'}")

@@ -23,11 +23,14 @@ def rows(folder, name="grpo"):
     return [json.loads(x) for x in (folder / "runs" / name / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_full_fine_tune_learns_the_reward(tmp_path, tiny_model, cli, dtype):
-    # bfloat16: rollouts sampled from bf16 copies of the weights, training stays float32
+@pytest.mark.parametrize("dtype,model_dtype", [("float32", "float32"), ("bfloat16", "float32"), ("auto", "bfloat16")])
+def test_full_fine_tune_learns_the_reward(tmp_path, tiny_model, cli, dtype, model_dtype):
+    # sampling bfloat16: rollouts from bf16 copies of the weights (remade after every optimizer
+    # step), training stays float32; a bfloat16 model samples and trains in bf16
     cfg = write_grpo_run(tmp_path, tiny_model, FULL + f'[grpo.sampling]\ndtype = "{dtype}"\n', updates=30)
-    cfg.write_text(cfg.read_text().replace("[lora]\nrank = 4\nalpha = 8\n", ""))
+    text = cfg.read_text().replace("[lora]\nrank = 4\nalpha = 8\n", "")
+    cfg.write_text(text.replace("[model]\n", f'[model]\ndtype = "{model_dtype}"\n', 1))
+    assert f'dtype = "{model_dtype}"' in cfg.read_text()
     cli("train", cfg, check=0)
     r = [x["reward/mean"] for x in rows(tmp_path) if "reward/mean" in x]
     assert len(r) == 30 and sum(r[-5:]) / 5 > sum(r[:5]) / 5 + 0.3
@@ -120,3 +123,25 @@ def test_eval_reports_mean_reward_base_and_trained(tmp_path, tiny_model, cli):
     assert 0 <= out["base/mean_reward"] <= 1 and "trained/tiny_rewards:share_of_lowercase/mean" in out
     evals = [r for r in rows(tmp_path) if "eval/mean_reward" in r]
     assert out["trained/mean_reward"] == pytest.approx(evals[-1]["eval/mean_reward"], abs=1e-9)
+
+
+def test_dynamic_sampling_replaces_groups_without_signal_with_new_prompts(tmp_path, tiny_model, cli):
+    extra = '[grpo]\nprompt_order = "sequential"\n[grpo.dynamic_sampling]\nmax_resample_factor = 3\n'
+    cfg = write_grpo_run(tmp_path, tiny_model, extra, updates=2)
+    # the first update's prompts ("red", "green") give every completion the same reward: no signal
+    (tmp_path / "tiny_rewards.py").write_text(
+        "def share_of_lowercase(prompts, completions, **columns):\n"
+        "    return [0.0 if p in ('red', 'green') else sum('a' <= ch <= 'z' for ch in c) / max(1, len(c))\n"
+        "            for p, c in zip(prompts, completions)]\n")
+    cli("train", cfg, check=0)
+    log = tmp_path / "runs" / "grpo" / "completions.jsonl"
+    logged = [json.loads(x) for x in log.read_text().splitlines()]
+    first = [r["prompt"] for r in logged if r["step"] == 1]
+    assert len(first) == 8 and len(set(first)) == 2 and not {"red", "green"} & set(first)
+    step1 = [r for r in rows(tmp_path) if "batch/groups_sampled" in r][0]
+    assert step1["batch/groups_sampled"] == 4 and step1["batch/zero_std_group_fraction"] == 0
+    assert step1["train/tokens"] > 0  # the update trained on the replacements
+    before = log.read_text()
+    shutil.rmtree(tmp_path / "runs")
+    cli("train", cfg, check=0)  # the same seed draws the same replacements
+    assert log.read_text() == before

@@ -145,9 +145,10 @@ class GrpoSamplingTable:
     top_k: int = opt(0, min=0, help="sample among the k most likely tokens (0: all)")
     seed: int = opt(42, help="seed of the sampler (each update draws from seed + update)")
     stop: list = opt([], help="strings that end a completion (EOS always does)")
-    dtype: str = opt("float32", choices=("float32", "bfloat16"),
-                     help="weights the rollouts are sampled with: bfloat16 is ~1.6x faster on CPUs with "
-                          "AVX512-BF16; training log-probs stay float32 either way")
+    dtype: str = opt("auto", choices=("auto", "float32", "bfloat16"),
+                     help="precision of the sampler's matmuls: auto follows model.dtype (bfloat16 for a "
+                          "bfloat16 model, else float32); bfloat16 is ~1.5x faster on CPUs with AVX512-BF16. "
+                          "Training log-probs are computed at model.dtype either way")
 
 
 @dataclass(frozen=True)

@@ -1,24 +1,27 @@
 """The sampler's decode engines: how a batch of prompts is prefilled and stepped one token at a time.
 
 `LlamaDecoder` is the fast path for Llama-family models (llama, mistral, qwen2 without sliding
-windows). It reads the live model's tensors and runs the same arithmetic as transformers' forward,
-without the generic machinery around it:
+windows) on CPU. It reads the live model's tensors and runs the same arithmetic as transformers'
+forward (tested to 1e-5 against it), without the generic machinery around it:
 
-  * a preallocated KV cache (the generic cache concatenates every step);
-  * grouped-query attention as two small batched matmuls, with no key/value expansion;
-  * LoRA applied as its own two thin matmuls on the live adapter tensors, in float32 and added to the
-    base projection's output, so nothing is folded or copied per update;
-  * for `dtype = bfloat16`, a bf16 copy of the frozen base projections (q/k/v fused into one matrix,
-    gate/up into another) made once and kept while those tensors are unchanged (a full fine-tune's
-    optimizer step changes them; the copy is then rebuilt). Only the big matmuls run in bf16: the
-    residual stream, norms, attention, the KV cache and the adapter stay float32, so a small adapter
-    update is not lost in bf16 rounding of the weights.
+  * the frozen base projections are prepared once into matmul-ready copies: q/k/v stacked into one
+    matrix and gate/up into another, the RMSNorm weight before them and attention's 1/sqrt(D) folded
+    in, cast to the sampling dtype and reordered into oneDNN's blocked layout (at batch 16 a decode
+    step's matmuls run 1.6-2.8x faster from it than from a row-major weight). A copy is remade only
+    when a source tensor changes (a full fine-tune's optimizer step), and models that share a frozen
+    base share it;
+  * LoRA runs beside the base matmul on the live adapter tensors, in float32 (all adapters of a
+    projection as one down- and one block-diagonal up-projection), so nothing is folded per update
+    and, with bf16 weights, a small adapter update is not lost in the weights' rounding;
+  * the residual stream, norms, attention and the KV cache stay float32; the cache is preallocated
+    (the generic one concatenates every step) and grouped-query attention reads it without expanding
+    keys and values; rows that finished leave the batch.
 
-`HFDecoder` is the generic path for every other model: transformers' own forward with its cache.
+`HFDecoder` is the generic path for every other model or device: transformers' own forward and cache.
 
 Both expose `prefill(ids, attention, positions, group_size, max_new_tokens) -> logits` (one row
 per completion; a group shares its prompt's prefill), `step(tokens) -> logits` and `keep(rows)`
-(drop finished rows from the batch).
+(drop finished rows from the batch). Logits are float32.
 """
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ One optimizer step of the loop is one update:
 from __future__ import annotations
 
 import json
+import random
 import time
 from pathlib import Path
 
@@ -149,6 +150,7 @@ class GrpoTask:
         # the tokens); checked equal to one row per completion on llama-architecture models
         self.share_prompts = self.logprobs.fused and s.model.config.model_type in SHARED_PROMPT_MODELS
         self.kl_multiplier, self.stalled = 1.0, 0
+        self.eval_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         self.stop_reason = None
         self.reference = None
         self.completions_file = None
@@ -191,9 +193,9 @@ class GrpoTask:
 
     def _sample(self, prompts, group_size, seed_offset: int, greedy: bool = False):
         gen = None if greedy else torch.Generator().manual_seed(self.sp.seed * 1_000_003 + seed_offset)
-        # rollouts in sampling.dtype; greedy evaluation always in float32 (the measured accuracy
-        # does not depend on a speed setting)
-        dtype = torch.float32 if greedy else DTYPES[self.sp.dtype]
+        # rollouts in sampling.dtype; greedy evaluation at the model's own precision (the measured
+        # accuracy does not depend on a speed setting)
+        dtype = self.eval_dtype if greedy or self.sp.dtype == "auto" else DTYPES[self.sp.dtype]
         return sample(self.s.model, [p.ids for p in prompts], group_size, self.sp.max_new_tokens,
                       eos_ids=self.eos_ids, pad_id=self.s.tokenizer.pad_token_id, generator=gen,
                       temperature=0.0 if greedy else self.sp.temperature, top_k=self.sp.top_k,
@@ -226,12 +228,13 @@ class GrpoTask:
         rewards, per_fn, texts = self._score(prompts, samples)
         t2 = time.perf_counter()
         groups_sampled = len(prompts)
-        if g.dynamic_sampling is not None:  # re-draw the groups without signal, with fresh seeds
+        if g.dynamic_sampling is not None:  # groups without signal: fresh prompts sampled in their place
+            prompts, used = list(prompts), {id(p) for p in prompts}
             for attempt in range(1, g.dynamic_sampling.max_resample_factor):
                 dead = zero_signal_groups(rewards, G).nonzero().flatten().tolist()
                 if not dead:
                     break
-                redo = [prompts[i] for i in dead]
+                redo = self._replacements([prompts[i] for i in dead], used, attempt)
                 t_s = time.perf_counter()
                 more = self._sample(redo, G, self.step_index + 7919 * attempt * 1_000_000)
                 t_r = time.perf_counter()
@@ -240,6 +243,7 @@ class GrpoTask:
                 t1 += t_r - t_s
                 groups_sampled += len(redo)
                 for j, i in enumerate(dead):
+                    prompts[i] = redo[j]
                     src, dst = slice(j * G, (j + 1) * G), slice(i * G, (i + 1) * G)
                     rewards[dst] = r2[src]
                     for k in per_fn:
@@ -265,6 +269,17 @@ class GrpoTask:
         metrics.update(self._train(prompts, samples, advantages, live))
         metrics["time/training_s"] = time.perf_counter() - t3
         return metrics
+
+    def _replacements(self, dead: list, used: set[int], attempt: int) -> list:
+        """Prompts to sample in place of `dead` ones (DAPO's dynamic sampling): rows of the prompt set
+        not used in this update yet, drawn by a generator seeded from the sampling seed, the update
+        and the attempt (so a resumed run draws the same). When the set has too few unused rows, the
+        rest re-draw their own prompt with a fresh seed."""
+        pool = [r for r in self.rows if id(r) not in used]
+        rng = random.Random(f"{self.sp.seed}:{self.step_index}:{attempt}")
+        picks = rng.sample(pool, min(len(pool), len(dead)))
+        used.update(id(r) for r in picks)
+        return picks + dead[len(picks):]
 
     def _beta(self) -> float:
         g = self.g
