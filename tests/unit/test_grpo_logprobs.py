@@ -33,3 +33,23 @@ def test_shared_prompt_forward_equals_one_row_per_completion(tiny_model):
     for name, p in model.named_parameters():
         if p.requires_grad:
             assert torch.allclose(p.grad, want[name], rtol=1e-4, atol=1e-7), name
+
+
+def test_short_bf16_passes_use_eager_attention_with_the_same_values(tiny_model):
+    from retrograd.train.common import EAGER_ATTENTION_MAX_KEYS, attention_for_length
+    model = load_model(str(tiny_model), "bfloat16", log=lambda *_: None).model
+    cfg = model.config
+    assert cfg._attn_implementation == "sdpa"
+    ids = torch.randint(3, 200, (2, 24))
+    with torch.no_grad():
+        sdpa = model(input_ids=ids).logits.float()
+        with attention_for_length(model, 24):
+            assert cfg._attn_implementation == "eager"
+            eager = model(input_ids=ids).logits.float()
+        assert cfg._attn_implementation == "sdpa"  # restored
+    assert torch.allclose(eager, sdpa, atol=0.03)
+    with attention_for_length(model, EAGER_ATTENTION_MAX_KEYS + 1):  # long: SDPA stays
+        assert cfg._attn_implementation == "sdpa"
+    fp32 = load_model(str(tiny_model), log=lambda *_: None).model
+    with attention_for_length(fp32, 24):  # float32 gains nothing: SDPA stays
+        assert fp32.config._attn_implementation == "sdpa"

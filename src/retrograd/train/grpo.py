@@ -29,6 +29,7 @@ from retrograd.data.sft import resolve_data_path
 from retrograd.rl.rewards import rewards_from_config
 from retrograd.models.load import DTYPES
 from retrograd.rl.sampler import eos_ids, sample, stop_string_check
+from retrograd.train.common import attention_for_length
 from retrograd.train.loop import Setup, TrainResult, run_training
 from retrograd.train.sft import CE_CHUNK_ROWS, TokenLoss
 
@@ -266,7 +267,9 @@ class GrpoTask:
             return metrics
         self.stalled = 0
         t3 = time.perf_counter()
-        metrics.update(self._train(prompts, samples, advantages, live))
+        longest = max(len(prompts[samples.prompt_index[i]].ids) + len(samples.completion_ids[i]) for i in live)
+        with attention_for_length(self.s.model, longest):
+            metrics.update(self._train(prompts, samples, advantages, live))
         metrics["time/training_s"] = time.perf_counter() - t3
         return metrics
 
