@@ -1,8 +1,6 @@
 """Bad input: a clear message naming the file, line or key, exit 2, never a traceback."""
 import json
 
-import pytest
-
 from tiny import write_run
 
 

@@ -10,7 +10,6 @@ def test_inspect_text_and_json(tiny_model, cli):
     assert "GGUF LoRA adapters supported" in proc.stdout
     d = json.loads(cli("inspect", "--model", tiny_model, "--json", check=0).stdout)
     assert d["tied_embeddings"] is True and d["lora_target_aliases"][:4] == ["q", "k", "v", "o"]
-    import torch
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     assert d["parameters"] == sum(p.numel() for p in model.parameters())

@@ -104,7 +104,7 @@ def test_bad_pairs_are_refused_with_file_and_line(tmp_path, tiny_model, cli, row
     cfg = write_pref_run(tmp_path, tiny_model, steps=1)
     write_jsonl(tmp_path / "pairs.jsonl", pref_rows(3) + [row])
     proc = cli("train", cfg, check=2)
-    assert f"pairs.jsonl:4: " in proc.stderr and message in proc.stderr
+    assert "pairs.jsonl:4: " in proc.stderr and message in proc.stderr
 
 
 def test_prompt_merged_into_the_response_is_refused(tmp_path, cli):

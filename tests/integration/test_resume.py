@@ -1,7 +1,6 @@
 """Resume is exact: N steps straight == N/2, SIGKILL, --resume, N/2 (weights bit for bit, same
 logged losses), also mid-epoch with shuffling and dropout on; mismatches and corruption refused."""
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -71,9 +71,12 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
         return hidden.sum() * 0.0 + weight.sum() * 0.0
     if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
         with torch.no_grad():  # evaluation: no gradient work at all
-            return sum(((lse := torch.logsumexp(lg := (hidden[s:s + chunk_size] @ weight.t()).to(torch.promote_types(hidden.dtype, torch.float32)), -1))
-                        - lg.gather(1, targets[s:s + chunk_size, None]).squeeze(1)).sum()
-                       for s in range(0, hidden.shape[0], chunk_size))
+            acc = torch.promote_types(hidden.dtype, torch.float32)
+            total = torch.zeros((), dtype=acc, device=hidden.device)
+            for s in range(0, hidden.shape[0], chunk_size):
+                logits = (hidden[s:s + chunk_size] @ weight.t()).to(acc)
+                total += (torch.logsumexp(logits, -1) - logits.gather(1, targets[s:s + chunk_size, None]).squeeze(1)).sum()
+            return total
     return _LinearCrossEntropySum.apply(hidden, weight, targets, chunk_size)
 
 
