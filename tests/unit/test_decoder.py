@@ -137,3 +137,13 @@ def test_other_models_take_the_generic_path():
         _run(generic, model)
     fast, _ = decoder_for(_model("llama").eval())
     assert isinstance(fast, LlamaDecoder)
+
+
+def test_sample_defaults_to_the_models_own_precision():
+    from retrograd.rl.sampler import sample
+    model = _model("llama").to(torch.bfloat16).eval()
+    kw = dict(eos_ids=set(), pad_id=0, temperature=1.0)
+
+    def run(**extra):
+        return sample(model, PROMPTS, 2, 4, generator=torch.Generator().manual_seed(0), **kw, **extra).behaviour_logprobs
+    assert run() == run(dtype=torch.bfloat16) != run(dtype=torch.float32)

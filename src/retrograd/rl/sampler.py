@@ -152,10 +152,13 @@ def decoder_for(model, dtype: torch.dtype = torch.float32):
 @torch.no_grad()
 def sample(model, prompts: list[list[int]], group_size: int, max_new_tokens: int, *, eos_ids: set[int],
            pad_id: int, generator: torch.Generator | None, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-           stop=None, dtype: torch.dtype = torch.float32) -> Samples:
+           stop=None, dtype: torch.dtype | None = None) -> Samples:
     """`stop(completion_ids) -> int | None`: optional stop-string check, returning how many tokens to keep.
     temperature = 0 decodes greedily (no generator needed). `dtype` is the precision of the big
-    matmuls while sampling (see rl/decoder.py); the model itself is never changed."""
+    matmuls while sampling (see rl/decoder.py; default: bfloat16 for a bf16 model, else float32);
+    the model itself is never changed."""
+    if dtype is None:
+        dtype = torch.bfloat16 if next(model.parameters()).dtype == torch.bfloat16 else torch.float32
     was_training = model.training
     model.eval()
     try:

@@ -151,7 +151,6 @@ class GrpoTask:
         # the tokens); checked equal to one row per completion on llama-architecture models
         self.share_prompts = self.logprobs.fused and s.model.config.model_type in SHARED_PROMPT_MODELS
         self.kl_multiplier, self.stalled = 1.0, 0
-        self.eval_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         self.stop_reason = None
         self.reference = None
         self.completions_file = None
@@ -195,8 +194,8 @@ class GrpoTask:
     def _sample(self, prompts, group_size, seed_offset: int, greedy: bool = False):
         gen = None if greedy else torch.Generator().manual_seed(self.sp.seed * 1_000_003 + seed_offset)
         # rollouts in sampling.dtype; greedy evaluation at the model's own precision (the measured
-        # accuracy does not depend on a speed setting)
-        dtype = self.eval_dtype if greedy or self.sp.dtype == "auto" else DTYPES[self.sp.dtype]
+        # accuracy does not depend on a speed setting); None: the model's (sampler.sample)
+        dtype = None if greedy or self.sp.dtype == "auto" else DTYPES[self.sp.dtype]
         return sample(self.s.model, [p.ids for p in prompts], group_size, self.sp.max_new_tokens,
                       eos_ids=self.eos_ids, pad_id=self.s.tokenizer.pad_token_id, generator=gen,
                       temperature=0.0 if greedy else self.sp.temperature, top_k=self.sp.top_k,
