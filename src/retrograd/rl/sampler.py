@@ -17,6 +17,7 @@ same seed gives the same completions and a resumed run samples exactly what the 
 """
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -55,6 +56,8 @@ def stop_string_check(tokenizer, stops: list[str]):
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """[B, V] raw logits -> logits of the sampling distribution (-inf outside top-k / top-p)."""
+    if temperature == 1.0 and not top_k and top_p >= 1.0:  # the plain distribution: no pass over [B, V]
+        return logits.float()
     logits = logits.float() / temperature
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
@@ -133,8 +136,6 @@ def decoder_for(model, dtype: torch.dtype = torch.float32):
     """(decoder, context): the fast Llama-family engine on the live tensors when it can run this model,
     else transformers' forward on the folded LoRA (and a `dtype` copy), which `context` sets up.
     RETROGRAD_SAMPLER=generic forces the generic path (for comparisons)."""
-    import os
-
     from retrograd.rl.decoder import HFDecoder, LlamaDecoder, Unsupported
     if os.environ.get("RETROGRAD_SAMPLER", "") != "generic":
         try:
@@ -157,15 +158,16 @@ def sample(model, prompts: list[list[int]], group_size: int, max_new_tokens: int
     temperature = 0 decodes greedily (no generator needed). `dtype` is the precision of the big
     matmuls while sampling (see rl/decoder.py; default: bfloat16 for a bf16 model, else float32);
     the model itself is never changed."""
+    param = next(model.parameters())
     if dtype is None:
-        dtype = torch.bfloat16 if next(model.parameters()).dtype == torch.bfloat16 else torch.float32
+        dtype = torch.bfloat16 if param.dtype == torch.bfloat16 else torch.float32
     was_training = model.training
     model.eval()
     try:
         fast, context = decoder_for(model, dtype)
         with context as generic:
             return _decode(fast or generic, prompts, group_size, max_new_tokens, eos_ids, pad_id, generator,
-                           temperature, top_k, top_p, stop, next(model.parameters()).device)
+                           temperature, top_k, top_p, stop, param.device)
     finally:
         model.train(was_training)
 

@@ -108,8 +108,8 @@ class Run:
         for g in optimizer.param_groups:
             g.update(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
         norm = clip_gradients(list(self.params.values()), grad_clip_norm)  # the norm before clipping
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         return {"grad_norm:mean": norm, "learning_rate:mean": lr}
 

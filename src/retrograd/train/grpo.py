@@ -193,8 +193,8 @@ class GrpoTask:
 
     def _sample(self, prompts, group_size, seed_offset: int, greedy: bool = False):
         gen = None if greedy else torch.Generator().manual_seed(self.sp.seed * 1_000_003 + seed_offset)
-        # rollouts in sampling.dtype; greedy evaluation at the model's own precision (the measured
-        # accuracy does not depend on a speed setting); None: the model's (sampler.sample)
+        # rollouts in sampling.dtype; greedy evaluation, and "auto", at the model's own precision
+        # (dtype None), so the measured accuracy does not depend on a speed setting
         dtype = None if greedy or self.sp.dtype == "auto" else DTYPES[self.sp.dtype]
         return sample(self.s.model, [p.ids for p in prompts], group_size, self.sp.max_new_tokens,
                       eos_ids=self.eos_ids, pad_id=self.s.tokenizer.pad_token_id, generator=gen,
