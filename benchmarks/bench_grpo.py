@@ -176,7 +176,8 @@ def worker_trl(args) -> dict:
     timer = StepTimer()
     cfg = GRPOConfig(output_dir=str(Path(args.work) / "trl_out"), max_steps=args.steps,
                      per_device_train_batch_size=PROMPTS * GENS, num_generations=GENS, gradient_accumulation_steps=1,
-                     max_completion_length=MAX_NEW, temperature=1.0, learning_rate=LR, bf16=False, fp16=False,
+                     max_completion_length=MAX_NEW, temperature=1.0, learning_rate=LR,
+                     bf16=args.worker == "trl_amp", fp16=False,
                      gradient_checkpointing=False, logging_steps=1, report_to="none", save_strategy="no",
                      use_cpu=True, dataloader_num_workers=0, seed=SEED, lr_scheduler_type="constant",
                      disable_tqdm=True)
@@ -195,7 +196,7 @@ def worker_trl(args) -> dict:
 
 KINDS = ("retrograd", "trl", "retrograd_bf16", "trl_bf16")
 WORKERS = {"prepare": worker_prepare, "retrograd": worker_retrograd, "retrograd_bf16": worker_retrograd,
-           "trl": worker_trl, "trl_bf16": worker_trl}
+           "trl": worker_trl, "trl_bf16": worker_trl, "trl_amp": worker_trl}
 
 
 def spawn(kind: str, tmp: Path, steps: int, data: Path, gguf: str = "") -> dict:

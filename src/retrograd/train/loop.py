@@ -133,7 +133,8 @@ def run_training(cfg, make_task: Callable[[Setup], object], resume: str | None =
     n_train, n_all = sum(p.numel() for p in params), sum(p.numel() for p in model.parameters())
     log(f"model {loaded.source}: {n_all:,} parameters, {n_train:,} trainable ({tr.trainable})")
 
-    pass_tokens = tr.micro_batch or (512 if device.type == "cpu" else None)
+    # a task may size its own CPU passes (GRPO's prompts run once per group, so its passes hold more)
+    pass_tokens = tr.micro_batch or (getattr(make_task, "cpu_pass_tokens", 512) if device.type == "cpu" else None)
     task = make_task(Setup(cfg, model, loaded.tokenizer, device, loaded, pass_tokens, log))
     total_steps = (getattr(task, "total_steps", None) or tr.max_steps
                    or tr.epochs * steps_per_epoch(len(task.rows), task.rows_per_step))
