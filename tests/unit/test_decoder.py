@@ -17,6 +17,7 @@ from retrograd.rl.sampler import decoder_for
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [3, 4, 5, 6, 7, 8, 9, 10]]
 GROUP = 2
+PREFIX = [40, 41, 42, 43, 44, 45]  # a common start (system prompt) run once for all prompts
 
 
 def _model(kind: str, tie: bool = True):
@@ -44,14 +45,14 @@ def _with_adapter(model, scale: float = 0.3):
     return model.eval()
 
 
-def _padded():
+def _padded(offset: int = 0):
     width = max(map(len, PROMPTS))
     ids = torch.zeros(len(PROMPTS), width, dtype=torch.long)
     attention = torch.zeros_like(ids)
     for i, p in enumerate(PROMPTS):
         ids[i, width - len(p):] = torch.tensor(p)
         attention[i, width - len(p):] = 1
-    return ids, attention, (attention.cumsum(-1) - 1).clamp(min=0)
+    return ids, attention, offset + (attention.cumsum(-1) - 1).clamp(min=0)
 
 
 def _reference(model, prefixes: list[list[int]]) -> torch.Tensor:
@@ -59,11 +60,14 @@ def _reference(model, prefixes: list[list[int]]) -> torch.Tensor:
         return torch.stack([model(input_ids=torch.tensor([p])).logits[0, -1] for p in prefixes])
 
 
-def _run(decoder, model, steps: int = 4, tol: float = 1e-5):
-    """Drive `decoder` through prefill, `steps` steps and a row drop, checking every logit row."""
-    ids, attention, positions = _padded()
-    logits = decoder.prefill(ids, attention, positions, GROUP, steps + 1)
-    rows = [list(PROMPTS[i // GROUP]) for i in range(len(PROMPTS) * GROUP)]
+def _run(decoder, model, steps: int = 4, tol: float = 1e-5, prefix: list[int] | None = None):
+    """Drive `decoder` through prefill (with every prompt starting with `prefix`, passed apart),
+    `steps` steps and a row drop, checking every logit row."""
+    prefix = prefix or []
+    ids, attention, positions = _padded(len(prefix))
+    logits = decoder.prefill(ids, attention, positions, GROUP, steps + 1,
+                             prefix=torch.tensor(prefix) if prefix else None)
+    rows = [prefix + PROMPTS[i // GROUP] for i in range(len(PROMPTS) * GROUP)]
     worst = 0.0
     for t in range(steps + 1):
         want = _reference(model, rows)
@@ -86,6 +90,8 @@ def test_fast_decoder_equals_a_teacher_forced_forward(kind, tie):
     model = _with_adapter(_model(kind, tie))
     _run(LlamaDecoder(model, torch.float32), model)
     _run(HFDecoder(model), model)  # the generic path, same protocol
+    _run(LlamaDecoder(model, torch.float32), model, prefix=PREFIX)  # a common prefix prefilled once
+    _run(HFDecoder(model), model, prefix=PREFIX)
     with model.disable_adapter():  # the adapter switched off is seen too
         _run(LlamaDecoder(model, torch.float32), model)
 

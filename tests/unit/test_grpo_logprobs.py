@@ -6,7 +6,8 @@ import torch
 
 from retrograd.models.load import load_model
 from retrograd.models.lora import attach_lora
-from retrograd.train.grpo import MIN_SHARED_PREFIX_SAVING, TokenLogprobs, _collate, shared_prefix_length
+from retrograd.rl.sampler import MIN_SHARED_PREFIX_SAVING, shared_prefix_length
+from retrograd.train.grpo import TokenLogprobs, _collate
 
 SYSTEM = list(range(3, 23))  # 20 tokens every prompt starts with, like a chat template's system prompt
 

@@ -19,9 +19,10 @@ forward (tested to 1e-5 against it), without the generic machinery around it:
 
 `HFDecoder` is the generic path for every other model or device: transformers' own forward and cache.
 
-Both expose `prefill(ids, attention, positions, group_size, max_new_tokens) -> logits` (one row
-per completion; a group shares its prompt's prefill), `step(tokens) -> logits` and `keep(rows)`
-(drop finished rows from the batch). Logits are float32.
+Both expose `prefill(ids, attention, positions, group_size, max_new_tokens, prefix=None) -> logits`
+(one row per completion; a group shares its prompt's prefill, and all prompts the `prefix` tokens they
+start with, run once: `ids` are then what follows it, at positions counted after it),
+`step(tokens) -> logits` and `keep(rows)` (drop finished rows from the batch). Logits are float32.
 """
 from __future__ import annotations
 
@@ -206,39 +207,65 @@ class LlamaDecoder:
         y = gu(self._normed(h), raw=True)
         return h + down(F.silu(y[..., :self.intermediate]) * y[..., self.intermediate:])
 
-    # ---- the decoder interface -------------------------------------------------------------------
-    @torch.no_grad()
-    def prefill(self, ids, attention, positions, group_size: int, max_new_tokens: int) -> torch.Tensor:
+    def _attend_pass(self, ids, positions, mask, past: list | None) -> tuple[torch.Tensor, list]:
+        """Run tokens ids [n, W] (at `positions`) through every layer with boolean `mask` [n|1, 1, W, P + W]
+        over the P `past` keys/values (per layer, [1, KV, P, D]) and their own. -> (hidden [n, W, H],
+        per layer the (keys, values) [n, KV, W, D] of these tokens, after RoPE)."""
         n, width = ids.shape
-        dev, D, H, KV = ids.device, self.head_dim, self.heads, self.kv_heads
-        self.capacity = width + max_new_tokens
-        table = torch.arange(int(positions.max()) + max_new_tokens + 1, device=dev)[None]
-        cos, sin = (t[0].float() for t in self.rotary(self.embed[:1].float(), table))  # [positions, D]
-        sign = torch.cat([-torch.ones(D // 2, device=dev), torch.ones(D - D // 2, device=dev)])
-        self.cos, self.sin = cos, sin * sign
-        cos_p, sin_p = self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # [n, W, 1, D]
-        causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril()
-        # a pad query sees itself only, so no row is fully masked (NaN) and pads never reach a real token
-        mask = (causal & attention.bool()[:, None, None, :]) | torch.eye(width, dtype=torch.bool, device=dev)
-        batch = n * group_size
-        self.k_cache = [torch.empty(batch, KV, self.capacity, D, device=dev) for _ in self.layers]
-        self.v_cache = [torch.empty(batch, KV, self.capacity, D, device=dev) for _ in self.layers]
+        D, H, KV = self.head_dim, self.heads, self.kv_heads
+        cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # [n, W, 1, D]
         h = self.embed[ids].float()
+        kv = []
         for i, (qkv, o, gu, down) in enumerate(self.layers):
             y = qkv(self._normed(h)).view(n, width, H + 2 * KV, D)
-            qk = self._rope(y[:, :, :H + KV], cos_p, sin_p)
+            qk = self._rope(y[:, :, :H + KV], cos, sin)
             q, k, v = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), y[:, :, H + KV:].transpose(1, 2)
-            self.k_cache[i][:, :, :width] = k.repeat_interleave(group_size, 0)
-            self.v_cache[i][:, :, :width] = v.repeat_interleave(group_size, 0)
+            kv.append((k, v))
+            if past:
+                k = torch.cat([past[i][0].expand(n, -1, -1, -1), k], 2)
+                v = torch.cat([past[i][1].expand(n, -1, -1, -1), v], 2)
             att = F.scaled_dot_product_attention(q, k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1),
                                                  attn_mask=mask, scale=1.0)
             h = h + o(att.transpose(1, 2).reshape(n, width, H * D))
             h = self._mlp(h, gu, down)
-        self.length = width
+        return h, kv
+
+    # ---- the decoder interface -------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, ids, attention, positions, group_size: int, max_new_tokens: int,
+                prefix: torch.Tensor | None = None) -> torch.Tensor:
+        n, width = ids.shape
+        c = 0 if prefix is None else prefix.shape[0]
+        dev, D, KV = ids.device, self.head_dim, self.kv_heads
+        self.capacity = c + width + max_new_tokens
+        table = torch.arange(int(positions.max()) + max_new_tokens + 1, device=dev)[None]
+        cos, sin = (t[0].float() for t in self.rotary(self.embed[:1].float(), table))  # [positions, D]
+        sign = torch.cat([-torch.ones(D // 2, device=dev), torch.ones(D - D // 2, device=dev)])
+        self.cos, self.sin = cos, sin * sign
+        batch = n * group_size
+        self.k_cache = [torch.empty(batch, KV, self.capacity, D, device=dev) for _ in self.layers]
+        self.v_cache = [torch.empty(batch, KV, self.capacity, D, device=dev) for _ in self.layers]
+        past = None
+        if c:  # the prompts' common prefix, once, causal; every row's cache starts with it
+            causal = torch.ones(c, c, dtype=torch.bool, device=dev).tril()
+            _, past = self._attend_pass(prefix[None], torch.arange(c, device=dev)[None], causal, None)
+            for i, (k, v) in enumerate(past):
+                self.k_cache[i][:, :, :c] = k
+                self.v_cache[i][:, :, :c] = v
+        causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril()
+        # a pad query sees itself only, so no row is fully masked (NaN) and pads never reach a real token
+        mask = (causal & attention.bool()[:, None, None, :]) | torch.eye(width, dtype=torch.bool, device=dev)
+        if c:
+            mask = torch.cat([torch.ones(n, 1, width, c, dtype=torch.bool, device=dev), mask], -1)
+        h, kv = self._attend_pass(ids, positions, mask, past)
+        for i, (k, v) in enumerate(kv):
+            self.k_cache[i][:, :, c:c + width] = k.repeat_interleave(group_size, 0)
+            self.v_cache[i][:, :, c:c + width] = v.repeat_interleave(group_size, 0)
+        self.length = c + width
         # additive key mask, one row per (completion, kv head): -inf on left padding
         pad = torch.where(attention.bool(), 0.0, float("-inf")).repeat_interleave(group_size, 0)
         self.key_bias = torch.zeros(batch, KV, 1, self.capacity, device=dev)
-        self.key_bias[:, :, 0, :width] = pad[:, None]
+        self.key_bias[:, :, 0, c:c + width] = pad[:, None]
         self.next_pos = positions[:, -1].repeat_interleave(group_size, 0) + 1
         return self.head(self._normed(h[:, -1])).repeat_interleave(group_size, 0)
 
@@ -276,9 +303,18 @@ class HFDecoder:
         self.model = model
 
     @torch.no_grad()
-    def prefill(self, ids, attention, positions, group_size: int, max_new_tokens: int) -> torch.Tensor:
-        out = self.model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True,
-                         logits_to_keep=1)
+    def prefill(self, ids, attention, positions, group_size: int, max_new_tokens: int,
+                prefix: torch.Tensor | None = None) -> torch.Tensor:
+        cache = None
+        if prefix is not None:  # the common prefix once, its cache repeated per prompt
+            c = prefix.shape[0]
+            cache = self.model(input_ids=prefix[None], position_ids=torch.arange(c, device=prefix.device)[None],
+                               use_cache=True, logits_to_keep=1).past_key_values
+            cache.batch_repeat_interleave(ids.shape[0])
+            attention = torch.cat([torch.ones(ids.shape[0], c, dtype=attention.dtype, device=attention.device),
+                                   attention], 1)
+        out = self.model(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
         self.cache = out.past_key_values
         self.cache.batch_repeat_interleave(group_size)
         self.attention = attention.repeat_interleave(group_size, 0)

@@ -28,7 +28,7 @@ from retrograd.data.sampler import evenly_spaced
 from retrograd.data.sft import resolve_data_path
 from retrograd.rl.rewards import rewards_from_config
 from retrograd.models.load import DTYPES
-from retrograd.rl.sampler import eos_ids, sample, stop_string_check
+from retrograd.rl.sampler import eos_ids, sample, shared_prefix_length, stop_string_check
 from retrograd.train.common import attention_for_length
 from retrograd.train.loop import Setup, TrainResult, run_training
 from retrograd.train.sft import CE_CHUNK_ROWS, TokenLoss
@@ -102,24 +102,6 @@ class TokenLogprobs(TokenLoss):
         r = torch.arange(n, device=device)[:, None].expand_as(keep)[keep]
         c = torch.arange(n_max, device=device)[None].expand_as(keep)[keep]
         return torch.zeros(n, width, dtype=logp.dtype, device=device).index_put((r, c), logp)
-
-
-# a separate pass over the prompts' common prefix costs one more forward's fixed overhead (~20 ms
-# with backward on SmolLM2); it pays once it saves this many prompt tokens
-MIN_SHARED_PREFIX_SAVING = 16
-
-
-def shared_prefix_length(prompts: list[list[int]]) -> int:
-    """Tokens at the start of every prompt worth running once for all of them: the longest common
-    prefix, leaving each prompt at least one token of its own (whose hidden state predicts the first
-    completion token); 0 when one prompt or when sharing saves fewer than MIN_SHARED_PREFIX_SAVING."""
-    if len(prompts) < 2:
-        return 0
-    first, n = prompts[0], min(len(p) for p in prompts) - 1
-    common = 0
-    while common < n and all(p[common] == first[common] for p in prompts):
-        common += 1
-    return common if common * (len(prompts) - 1) >= MIN_SHARED_PREFIX_SAVING else 0
 
 
 def _collate(seqs: list[tuple[list[int], list[int]]], pad_id: int) -> dict:
