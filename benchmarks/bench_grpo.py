@@ -11,9 +11,11 @@ A by-hand benchmark, not a test. Same model, prompts and settings on both sides:
               last integer of the completion is a + b, minus 0.001 per character beyond the first (a
               tie-breaker, so every group has a learning signal and both sides train on all 16
               completions; retrograd leaves groups with equal rewards out of the step, TRL does not)
-  precision   run twice: all fp32 on both sides; then model weights in bf16 on both sides
-              (retrograd [model] dtype = "bfloat16", whose sampler then runs bf16 matmuls too; TRL
-              model.to(torch.bfloat16)). The published TRL baseline is the fp32 run.
+  precision   all fp32 on both sides; then model weights in bf16 on both sides (retrograd [model]
+              dtype = "bfloat16", whose sampler then runs bf16 matmuls too; TRL
+              model.to(torch.bfloat16)); then TRL at its own default, GRPOConfig(bf16=True): fp32
+              weights under bf16 autocast. The published TRL baseline is the fp32 run. In every bf16
+              run the LoRA weights and Adam state are float32 on both sides.
   other       no gradient checkpointing, 2 threads, seed 0; TRL generates with transformers'
               generate (no vLLM), retrograd with its own sampler
 
@@ -194,7 +196,7 @@ def worker_trl(args) -> dict:
             "sampled_tokens": [x.get("completions/mean_length", 0) * PROMPTS * GENS for x in logs],
             "reward": [x.get("rewards/reward/mean", x.get("reward")) for x in logs], "spans": {k: v for k, v in spans.items()}}
 
-KINDS = ("retrograd", "trl", "retrograd_bf16", "trl_bf16")
+KINDS = ("retrograd", "trl", "retrograd_bf16", "trl_bf16", "trl_amp")
 WORKERS = {"prepare": worker_prepare, "retrograd": worker_retrograd, "retrograd_bf16": worker_retrograd,
            "trl": worker_trl, "trl_bf16": worker_trl, "trl_amp": worker_trl}
 
@@ -244,15 +246,17 @@ def main() -> None:
     print(f"\nGRPO LoRA r={LORA_R} q,k,v,o | SmolLM2-135M | {PROMPTS} prompts x {GENS} completions x <= {MAX_NEW} "
           f"tokens | {args.steps} updates (mean of 2+) | {THREADS} threads | fp32 matmul peak {peak:.0f} GFLOP/s")
     print("fp32: everything in float32 on both sides; bf16: model weights in bfloat16 on both sides "
-          "(retrograd [model] dtype = \"bfloat16\", TRL model.to(bfloat16))")
-    fmt = "{:<30} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>12}"
-    print(fmt.format("", "rg fp32", "TRL fp32", "ratio", "rg bf16", "TRL bf16", "ratio", "bf16/TRL fp32"))
-    rg, trl, rb, tb = (summary[k] for k in KINDS)
+          "(retrograd [model] dtype = \"bfloat16\", TRL model.to(bfloat16)); TRL amp: TRL's default "
+          "GRPOConfig(bf16=True), fp32 weights under bf16 autocast")
+    fmt = "{:<30}" + " {:>9}" * 10
+    print(fmt.format("", "rg fp32", "TRL fp32", "ratio", "rg bf16", "TRL bf16", "ratio", "TRL amp", "rg16/amp",
+                     "rg16/fp32", ""))
+    rg, trl, rb, tb, ta = (summary[k] for k in KINDS)
     for key in rg:
         def ratio(a, b):
             return f"{a[key] / b[key]:.2f}x" if b[key] else ""
         print(fmt.format(key, f"{rg[key]:.3f}", f"{trl[key]:.3f}", ratio(rg, trl), f"{rb[key]:.3f}", f"{tb[key]:.3f}",
-                         ratio(rb, tb), ratio(rb, trl)))
+                         ratio(rb, tb), f"{ta[key]:.3f}", ratio(rb, ta), ratio(rb, trl), ""))
     write_json(out_dir / "result_grpo.json", {"summary": summary, "raw": results, "matmul_gflops": peak,
                                               "versions": versions(), "cpu": cpu_model()})
     print(f"wrote {out_dir / 'result_grpo.json'}")

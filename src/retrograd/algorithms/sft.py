@@ -37,12 +37,12 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_size):
             h = hidden[start:start + chunk_size]  # [C, H]
             y = targets[start:start + chunk_size]  # [C]
-            logits = (h @ weight.t()).to(acc)  # [C, V]
-            lse = torch.logsumexp(logits, dim=-1)  # [C]
-            loss += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
+            # one fused pass to float32 log-probabilities (no separate cast, logsumexp and subtraction)
+            logp = torch.log_softmax(h @ weight.t(), dim=-1, dtype=acc)  # [C, V]
+            loss -= logp.gather(1, y[:, None]).sum()
             if grad_h is not None or grad_w is not None:
-                # d(-log p_y)/d logits = softmax - onehot, computed in place on the logits buffer
-                probs = logits.sub_(lse[:, None]).exp_()
+                # d(-log p_y)/d logits = softmax - onehot, computed in place on the log-probabilities
+                probs = logp.exp_()
                 probs[torch.arange(y.shape[0], device=y.device), y] -= 1.0
                 probs = probs.to(hidden.dtype)
                 if grad_h is not None:
@@ -98,10 +98,9 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         grad_h = torch.empty_like(hidden)
         for start in range(0, hidden.shape[0], chunk_size):
             h, y = hidden[start:start + chunk_size], targets[start:start + chunk_size]
-            logits = (h @ weight.t()).to(acc)  # [C, V]
-            lse = torch.logsumexp(logits, dim=-1)
-            out[start:start + chunk_size] = logits.gather(1, y[:, None]).squeeze(1) - lse
-            probs = logits.sub_(lse[:, None]).exp_()
+            logp = torch.log_softmax(h @ weight.t(), dim=-1, dtype=acc)  # [C, V], one fused pass
+            out[start:start + chunk_size] = logp.gather(1, y[:, None]).squeeze(1)
+            probs = logp.exp_()
             probs[torch.arange(y.shape[0], device=y.device), y] -= 1.0
             grad_h[start:start + chunk_size] = -(probs.to(hidden.dtype) @ weight)  # [C, H]
         ctx.save_for_backward(grad_h)
