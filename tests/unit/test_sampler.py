@@ -3,10 +3,11 @@ same tokens (T = 1, left-padded prompts, shared prefill), the same seed gives th
 EOS stops a sequence exactly, and top-k / top-p keep the right tokens."""
 import math
 
+import pytest
 import torch
 
 from retrograd.models.load import load_model
-from retrograd.rl.sampler import filter_logits, sample
+from retrograd.rl.sampler import filter_logits, sample, shared_prefix_length
 
 
 def _setup(tiny_model):
@@ -15,8 +16,12 @@ def _setup(tiny_model):
     return loaded.model, tok, [tok("hello there")["input_ids"], tok("a much longer prompt here")["input_ids"]]
 
 
-def test_logprobs_equal_a_teacher_forced_forward(tiny_model):
+@pytest.mark.parametrize("common_prefix", [False, True])
+def test_logprobs_equal_a_teacher_forced_forward(tiny_model, common_prefix):
     model, tok, prompts = _setup(tiny_model)
+    if common_prefix:  # a shared start (a chat template's system prompt), prefilled once for both
+        prompts = [list(range(5, 25)) + p for p in prompts]
+        assert shared_prefix_length(prompts) >= 20
     s = sample(model, prompts, 3, 10, eos_ids={tok.eos_token_id}, pad_id=tok.pad_token_id,
                generator=torch.Generator().manual_seed(0))
     assert s.prompt_index == [0, 0, 0, 1, 1, 1]
