@@ -74,8 +74,8 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
             acc = torch.promote_types(hidden.dtype, torch.float32)
             total = torch.zeros((), dtype=acc, device=hidden.device)
             for s in range(0, hidden.shape[0], chunk_size):
-                logits = (hidden[s:s + chunk_size] @ weight.t()).to(acc)
-                total += (torch.logsumexp(logits, -1) - logits.gather(1, targets[s:s + chunk_size, None]).squeeze(1)).sum()
+                logp = torch.log_softmax(hidden[s:s + chunk_size] @ weight.t(), dim=-1, dtype=acc)
+                total -= logp.gather(1, targets[s:s + chunk_size, None]).sum()
             return total
     return _LinearCrossEntropySum.apply(hidden, weight, targets, chunk_size)
 
@@ -120,8 +120,7 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     acc = torch.promote_types(hidden.dtype, torch.float32)
 
     def plain(h, y):
-        logits = (h @ weight.t()).to(acc)
-        return logits.gather(1, y[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+        return torch.log_softmax(h @ weight.t(), dim=-1, dtype=acc).gather(1, y[:, None]).squeeze(1)
 
     if hidden.shape[0] == 0:
         return hidden.sum(-1).to(acc) * 0.0

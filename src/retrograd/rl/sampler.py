@@ -151,6 +151,24 @@ def shared_prefix_length(prompts: list[list[int]]) -> int:
     return common if common * (len(prompts) - 1) >= MIN_SHARED_PREFIX_SAVING else 0
 
 
+def split_prompts(prompts: list[list[int]], pad_id: int, device=None):
+    """Prompts as (prefix [c] or None, ids [P, W], attention [P, W], positions [P, W]): their shared
+    prefix (shared_prefix_length) apart, and what follows it left-padded so every prompt ends in the
+    last column, at positions counted after the prefix. Both the sampler's prefill and GRPO's
+    training forward run prompts this way."""
+    common = shared_prefix_length(prompts)
+    rest = [p[common:] for p in prompts]
+    width = max(len(p) for p in rest)
+    ids = torch.full((len(rest), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rest), width), dtype=torch.long)
+    for i, p in enumerate(rest):
+        ids[i, width - len(p):] = torch.tensor(p)
+        attention[i, width - len(p):] = 1
+    positions = common + (attention.cumsum(-1) - 1).clamp(min=0)
+    prefix = torch.tensor(prompts[0][:common], device=device) if common else None
+    return prefix, ids.to(device), attention.to(device), positions.to(device)
+
+
 def decoder_for(model, dtype: torch.dtype = torch.float32):
     """(decoder, context): the fast Llama-family engine on the live tensors when it can run this model,
     else transformers' forward on the folded LoRA (and a `dtype` copy), which `context` sets up.
@@ -193,20 +211,10 @@ def sample(model, prompts: list[list[int]], group_size: int, max_new_tokens: int
 
 def _decode(decoder, prompts, group_size, max_new_tokens, eos_ids, pad_id, generator, temperature, top_k, top_p,
             stop, device) -> Samples:
-    common = shared_prefix_length(prompts)  # run once for all prompts (a chat template's system prompt)
-    prefix = torch.tensor(prompts[0][:common], device=device) if common else None
-    rest = [p[common:] for p in prompts]
-    n_prompts, width = len(rest), max(len(p) for p in rest)
-    ids = torch.full((n_prompts, width), pad_id, dtype=torch.long)
-    attention = torch.zeros((n_prompts, width), dtype=torch.long)
-    for i, p in enumerate(rest):  # left padding: every prompt ends at the same column
-        ids[i, width - len(p):] = torch.tensor(p)
-        attention[i, width - len(p):] = 1
-    positions = common + (attention.cumsum(-1) - 1).clamp(min=0)
-    logits = decoder.prefill(ids.to(device), attention.to(device), positions.to(device), group_size, max_new_tokens,
-                             prefix=prefix)
+    prefix, ids, attention, positions = split_prompts(prompts, pad_id, device)
+    logits = decoder.prefill(ids, attention, positions, group_size, max_new_tokens, prefix=prefix)
 
-    batch = n_prompts * group_size
+    batch = len(prompts) * group_size
     tokens = torch.empty((batch, max_new_tokens), dtype=torch.long)
     logps = torch.empty((batch, max_new_tokens), dtype=torch.float32)
     lengths = torch.full((batch,), max_new_tokens, dtype=torch.long)

@@ -28,7 +28,7 @@ from retrograd.data.sampler import evenly_spaced
 from retrograd.data.sft import resolve_data_path
 from retrograd.rl.rewards import rewards_from_config
 from retrograd.models.load import DTYPES
-from retrograd.rl.sampler import eos_ids, sample, shared_prefix_length, stop_string_check
+from retrograd.rl.sampler import eos_ids, sample, split_prompts, stop_string_check
 from retrograd.train.common import attention_for_length
 from retrograd.train.loop import Setup, TrainResult, run_training
 from retrograd.train.sft import CE_CHUNK_ROWS, TokenLoss
@@ -64,22 +64,14 @@ class TokenLogprobs(TokenLoss):
         gradients reach every shared position and the result equals one row per completion (tested),
         at c + sum(P remainders) + completion tokens instead of N x (prompt + completion)."""
         device = self.head.weight.device
-        common = shared_prefix_length(prompts)
+        prefix, ids_p, attention_p, positions_p = split_prompts(prompts, pad_id, device)
         cache = None
-        if common:
-            prefix = torch.tensor(prompts[0][:common], device=device)[None]
-            cache = self.decoder(input_ids=prefix, position_ids=torch.arange(common, device=device)[None],
+        if prefix is not None:
+            c = prefix.shape[0]
+            cache = self.decoder(input_ids=prefix[None], position_ids=torch.arange(c, device=device)[None],
                                  use_cache=True).past_key_values
             cache.reorder_cache(torch.zeros(len(prompts), dtype=torch.long, device=device))  # one row per prompt
-        rest = [p[common:] for p in prompts]
-        n_max_p = max(len(p) for p in rest)
-        ids_p = torch.full((len(prompts), n_max_p), pad_id, dtype=torch.long, device=device)
-        attention_p = torch.zeros((len(prompts), common + n_max_p), dtype=torch.long, device=device)
-        attention_p[:, :common] = 1
-        for i, p in enumerate(rest):  # left padding: every prompt ends in the last column
-            ids_p[i, n_max_p - len(p):] = torch.tensor(p, device=device)
-            attention_p[i, common + n_max_p - len(p):] = 1
-        positions_p = (attention_p.cumsum(-1) - 1).clamp(min=0)[:, common:]
+            attention_p = torch.cat([torch.ones_like(attention_p[:, :1]).expand(-1, c), attention_p], 1)
         out = self.decoder(input_ids=ids_p, attention_mask=attention_p, position_ids=positions_p,
                            past_key_values=cache, use_cache=True)
         rows = torch.tensor(owner, device=device)
