@@ -1,21 +1,26 @@
-"""The Tinker API's built-in losses, as pure functions of one datum's tensors.
+"""The Tinker API's built-in losses, as pure functions of one datum's tensors: names, required inputs,
+config validation and Tinker's conventions. The policy losses themselves are computed by the shared
+registry (algorithms/policy_losses.py), so training and the service run one implementation.
 
-Every loss is a SUM over the datum's tokens (Tinker has no mean: callers normalise through
+Every loss is a SUM over the datum's tokens (Tinker has no mean and no mask: callers normalise through
 `weights` or the advantages). Notation: `lp` = the learner's log-probability of each target token
 (with gradient), `q` = `loss_fn_inputs["logprobs"]` (the sampler's), `A` = advantages,
 `r = exp(lp - q)`.
 
   cross_entropy        -(lp * weights).sum()             targets [N] or [N, K] (soft targets)
-  importance_sampling  -(r * A).sum()
-  ppo                  -min(r A, clip(r, lo, hi) A).sum()           lo/hi are ratio bounds (0.8 / 1.2)
-  cispo                -(sg(clip(r, lo, hi)) * lp * A).sum()         (0.0 / 4.0)
-  dro                  -(lp A - beta/2 (lp - q)^2).sum()             beta (0.05)
+  importance_sampling  -(r * A).sum()                                 POLICY_LOSSES importance_sampling
+  ppo                  -min(r A, clip(r, lo, hi) A).sum()             clip, clip_low = 1 - lo,
+                       lo/hi are ratio bounds (0.8 / 1.2)             clip_high = hi - 1, no dual clip
+  cispo                -(sg(clip(r, lo, hi)) * lp * A).sum()  (0.0 / 4.0)    cispo, bounds likewise
+  dro                  -(lp A - beta/2 (lp - q)^2).sum()      beta (0.05)    dro
   gspo                 PPO's min/clip on r_t = sg(s) exp(lp - sg(lp)), s = exp(mean_M(sg(lp) - q)),
-                       M = sequence_ratio_mask (all tokens when absent)
+                       M = sequence_ratio_mask (all tokens when absent)      gspo, mask = M
 """
 from __future__ import annotations
 
 import torch
+
+from retrograd.algorithms.policy_losses import COMMON_DEFAULTS, POLICY_LOSSES
 
 LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
 # loss -> the loss_fn_inputs it needs besides target_tokens
@@ -55,6 +60,23 @@ def resolve_config(loss_fn: str, config: dict | None) -> dict:
     return out
 
 
+# Tinker's policy losses -> the shared registry's names
+REGISTRY_NAMES = {"importance_sampling": "importance_sampling", "ppo": "clip", "cispo": "cispo", "dro": "dro",
+                  "gspo": "gspo"}
+
+
+def registry_params(loss_fn: str, config: dict) -> dict:
+    """Tinker's absolute ratio bounds [lo, hi] as the registry's offsets from 1; Tinker's ppo has no
+    dual clip."""
+    params = {**COMMON_DEFAULTS, "clip_ratio_c": 0.0}
+    if "clip_low_threshold" in config:
+        params["clip_low"] = 1.0 - config["clip_low_threshold"]
+        params["clip_high"] = config["clip_high_threshold"] - 1.0
+    if loss_fn == "dro":
+        params["beta"] = config["beta"]
+    return params
+
+
 def datum_loss(loss_fn: str, lp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
     """The summed loss of one datum. `lp`: [N] (or [N, K] for soft cross-entropy targets)."""
     if loss_fn == "cross_entropy":
@@ -63,18 +85,9 @@ def datum_loss(loss_fn: str, lp: torch.Tensor, inputs: dict[str, torch.Tensor], 
             weights = torch.ones_like(lp)
         return -(lp * weights.to(lp.dtype)).sum()
     q, adv = inputs["logprobs"].to(lp.dtype), inputs["advantages"].to(lp.dtype)
-    if loss_fn == "dro":
-        return -(lp * adv - 0.5 * config["beta"] * (lp - q) ** 2).sum()
-    if loss_fn == "gspo":
-        mask = inputs.get("sequence_ratio_mask")
-        mask = torch.ones_like(lp) if mask is None else mask.to(lp.dtype)
-        log_s = ((lp.detach() - q) * mask).sum() / mask.sum().clamp(min=1.0)
-        ratio = torch.exp(log_s) * torch.exp(lp - lp.detach())
-    else:
-        ratio = torch.exp(lp - q)
-    if loss_fn == "importance_sampling":
-        return -(ratio * adv).sum()
-    lo, hi = config["clip_low_threshold"], config["clip_high_threshold"]
-    if loss_fn == "cispo":
-        return -(ratio.clamp(lo, hi).detach() * lp * adv).sum()
-    return -torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv).sum()  # ppo, gspo
+    # only gspo reads a mask (for its sequence ratio); Tinker sums every position whatever the mask
+    mask = inputs.get("sequence_ratio_mask") if loss_fn == "gspo" else None
+    mask = torch.ones_like(lp) if mask is None else mask.to(lp.dtype)
+    fn = POLICY_LOSSES.get(REGISTRY_NAMES[loss_fn])
+    per_token, _ = fn(lp[None], q[None], adv[None], mask[None], registry_params(loss_fn, config))  # [1, N]
+    return per_token.sum()
