@@ -67,7 +67,7 @@ def write_tiny_llama_gguf(model_dir: Path, dst: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from retrograd.export.gguf_lora import permute_rows
+    from retrograd.models.architectures import permute_rows
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(model_dir)
     c = model.config

@@ -7,6 +7,7 @@ from peft import get_peft_model_state_dict
 
 from llamacpp_util import next_token_logprobs, write_tiny_llama_gguf
 from retrograd.export import gguf_lora
+from retrograd.models import architectures
 from retrograd.models.load import load_model
 from retrograd.models.lora import attach_lora
 
@@ -23,7 +24,7 @@ def test_tiny_adapter_in_llamacpp_matches_torch(tmp_path, tiny_model, monkeypatc
                 p.normal_(0, 0.5)
     state = get_peft_model_state_dict(model)
     adapter = gguf_lora.write_gguf_lora(tmp_path / "adapter.gguf", state, 8, model.config)
-    monkeypatch.setattr(gguf_lora, "permute_rows", lambda w, n: w)
+    monkeypatch.setattr(architectures, "permute_rows", lambda w, n: w)
     unpermuted = gguf_lora.write_gguf_lora(tmp_path / "unpermuted.gguf", state, 8, model.config)
     monkeypatch.undo()
 

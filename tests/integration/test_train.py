@@ -112,7 +112,7 @@ min_delta = 100.0
 def test_gguf_adapter_output_and_checkpoint_copies(tmp_path, tiny_model, cli):
     import gguf
     import numpy as np
-    from retrograd.export.gguf_lora import permute_rows
+    from retrograd.models.architectures import permute_rows
     cfg = write_run(tmp_path, tiny_model, """
 [output]
 path = "out/adapter.gguf"

@@ -14,6 +14,7 @@ def test_llamacpp_matches_torch_with_the_lora_merged(tmp_path, real_home, monkey
     from peft import get_peft_model_state_dict
 
     from retrograd.export import gguf_lora
+    from retrograd.models import architectures
     from retrograd.models.builtin import builtin_gguf
     from retrograd.models.load import load_model
     from retrograd.models.lora import attach_lora
@@ -29,7 +30,7 @@ def test_llamacpp_matches_torch_with_the_lora_merged(tmp_path, real_home, monkey
                 p.normal_(0, 0.05)  # a visible effect (B starts at zero after init)
     state = get_peft_model_state_dict(model)
     adapter = gguf_lora.write_gguf_lora(tmp_path / "adapter.gguf", state, 8, model.config)
-    monkeypatch.setattr(gguf_lora, "permute_rows", lambda w, n: w)
+    monkeypatch.setattr(architectures, "permute_rows", lambda w, n: w)
     unpermuted = gguf_lora.write_gguf_lora(tmp_path / "unpermuted.gguf", state, 8, model.config)
     monkeypatch.undo()
 

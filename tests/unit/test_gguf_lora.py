@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from retrograd.errors import ConfigError
-from retrograd.export.gguf_lora import adapter_tensors, check_exportable, permute_rows
+from retrograd.export.gguf_lora import check_exportable
+from retrograd.models.architectures import adapter_tensors, permute_rows
 
 
 def test_permute_rows_hand_example():

@@ -6,8 +6,8 @@ import torch
 
 from retrograd.models.load import load_model
 from retrograd.models.lora import attach_lora
-from retrograd.rl.sampler import MIN_SHARED_PREFIX_SAVING, shared_prefix_length
-from retrograd.train.grpo import TokenLogprobs, _collate
+from retrograd.models.logprobs import MIN_SHARED_PREFIX_SAVING, Scorer, shared_prefix_length
+from retrograd.train.policy_update import collate
 
 SYSTEM = list(range(3, 23))  # 20 tokens every prompt starts with, like a chat template's system prompt
 
@@ -30,7 +30,7 @@ def test_shared_prompt_forward_equals_one_row_per_completion(tiny_model, common)
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.3)
-    scorer, pad = TokenLogprobs(model), loaded.tokenizer.pad_token_id
+    scorer, pad = Scorer(model), loaded.tokenizer.pad_token_id
     prompts = [loaded.tokenizer("hello there friend")["input_ids"], loaded.tokenizer("hi")["input_ids"]]
     if common:
         prompts = [SYSTEM + p for p in prompts]
@@ -39,11 +39,11 @@ def test_shared_prompt_forward_equals_one_row_per_completion(tiny_model, common)
     owner = [0, 1, 0, 1]  # two groups, prompts of different lengths (left-padded together)
     coef = torch.randn(4, 4)
 
-    plain = scorer(_collate([(prompts[o], c) for o, c in zip(owner, completions)], pad), 4)
+    plain = scorer.token_logprobs(collate([(prompts[o], c) for o, c in zip(owner, completions)], pad), 4)
     (plain * coef).sum().backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     model.zero_grad()
-    shared = scorer.shared_prompts(prompts, completions, owner, 4, pad)
+    shared = scorer.shared_prompt_logprobs(prompts, completions, owner, 4, pad)
     (shared * coef).sum().backward()
 
     assert torch.allclose(shared, plain, atol=1e-6)
@@ -55,7 +55,7 @@ def test_shared_prompt_forward_equals_one_row_per_completion(tiny_model, common)
 
 
 def test_short_bf16_passes_use_eager_attention_with_the_same_values(tiny_model):
-    from retrograd.train.common import EAGER_ATTENTION_MAX_KEYS, attention_for_length
+    from retrograd.device import EAGER_ATTENTION_MAX_KEYS, attention_for_length
     model = load_model(str(tiny_model), "bfloat16", log=lambda *_: None).model
     cfg = model.config
     assert cfg._attn_implementation == "sdpa"

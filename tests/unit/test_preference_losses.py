@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from retrograd.algorithms.preference import PreferenceParams, preference_loss, segment_sums
+from retrograd.algorithms.preference import PreferenceParams, preference_loss
 
 T = lambda *v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
 S_C, S_R, R_C, R_R, N_C, N_R = T(-10.0), T(-15.0), T(-12.0), T(-14.0), T(4.0), T(5.0)
@@ -120,10 +120,3 @@ def test_matches_trl(monkeypatch):
     assert torch.allclose(ours, -(sc / nc) - trl.double(), atol=1e-6)
     assert float(st["log_odds"].mean()) == pytest.approx(float(trl_log_odds), abs=1e-5)
 
-
-def test_segment_sums():
-    v = torch.tensor([1.0, 2.0, 3.0, 4.0], requires_grad=True)
-    out = segment_sums(v, torch.tensor([0, 2, 0, 2]), 3)
-    assert out.tolist() == [4.0, 0.0, 6.0]
-    out.backward(torch.tensor([1.0, 10.0, 100.0]))
-    assert v.grad.tolist() == [1.0, 100.0, 1.0, 100.0]

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from retrograd.models.load import load_model
-from retrograd.rl.sampler import filter_logits, sample, shared_prefix_length
+from retrograd.models.logprobs import shared_prefix_length
+from retrograd.rl.sampler import filter_logits, sample
 
 
 def _setup(tiny_model):

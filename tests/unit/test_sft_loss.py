@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from retrograd.algorithms.sft import (IGNORE, cross_entropy_sum_reference, linear_cross_entropy_sum,
+from retrograd.models.fused_head import (IGNORE, cross_entropy_sum_reference, linear_cross_entropy_sum,
                                       select_targets)
 
 

@@ -2,7 +2,7 @@
 log_softmax on full logits, values and gradients, for a frozen and a trained head."""
 import torch
 
-from retrograd.algorithms.sft import linear_token_logprobs
+from retrograd.models.fused_head import linear_token_logprobs
 
 
 def reference(h, w, y):

@@ -78,7 +78,3 @@ def preference_loss(p: PreferenceParams, s_chosen: torch.Tensor, s_rejected: tor
                  chosen_logps=sc.detach(), rejected_logps=sr.detach())
     return loss, stats
 
-
-def segment_sums(values: torch.Tensor, segment: torch.Tensor, n_segments: int) -> torch.Tensor:
-    """Sum values [N] into n_segments buckets by segment index [N] (differentiable)."""
-    return torch.zeros(n_segments, dtype=values.dtype, device=values.device).index_add(0, segment, values)

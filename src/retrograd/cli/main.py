@@ -81,6 +81,21 @@ def build_parser() -> argparse.ArgumentParser:
     from retrograd.service.cli import add_parsers as add_service_parsers
     add_service_parsers(sub)
 
+    pl = sub.add_parser("plugins", help="list the policy losses, advantage modes, token transforms, recipes and reward "
+                                        "types a run.toml can name (and the plugins a given run.toml uses)")
+    pl.add_argument("config", nargs="?", help="a run.toml: also resolve the user functions it names")
+    pl.add_argument("--json", action="store_true", help="print JSON")
+
+    tc = sub.add_parser("trace", help="run a run.toml's advantage pipeline on synthetic groups and show each token's "
+                                      "uncertainty, planning mask, SEPA lambda and final advantage (no model loaded)")
+    tc.add_argument("config", help="path to the run.toml (an RL run)")
+    tc.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE", dest="overrides",
+                    help="override a config key (as in train)")
+    tc.add_argument("--step", type=int, metavar="N", help="the update to trace (default: mid-way through the SEPA "
+                                                          "ramp, or 0)")
+    tc.add_argument("--groups", type=int, default=2, metavar="P", help="synthetic groups (2)")
+    tc.add_argument("--json", action="store_true", help="print JSON")
+
     s = sub.add_parser("config-schema", help="print the JSON Schema of run.toml (for editor completion)")
     s.add_argument("--out", metavar="FILE", help="write to FILE instead of stdout")
     return p
@@ -136,6 +151,32 @@ def _inspect(args) -> int:
     return 0
 
 
+def _plugins(args) -> int:
+    from retrograd.plugins import catalog, format_catalog
+    cfg = None
+    if args.config:
+        from retrograd.config import load_config
+        cfg = load_config(args.config)
+    c = catalog(cfg)
+    print(json.dumps(c, indent=2, default=str) if args.json else format_catalog(c))
+    return 0
+
+
+def _trace(args) -> int:
+    from retrograd.config import load_config
+    from retrograd.errors import ConfigError
+    from retrograd.train.trace import format_trace, trace
+    cfg = load_config(args.config, args.overrides)
+    if cfg.grpo is None:
+        raise ConfigError(f"{args.config}: retrograd trace runs an RL run's advantage pipeline; this run is "
+                          f"{cfg.run.algorithm!r}")
+    if args.groups < 1:
+        raise ConfigError("--groups must be at least 1")
+    t = trace(cfg, args.step, args.groups)
+    print(json.dumps(t, indent=2) if args.json else format_trace(t))
+    return 0
+
+
 def _config_schema(args) -> int:
     from retrograd.config.load import json_schema
     text = json.dumps(json_schema(), indent=2)
@@ -166,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
             return _inspect(args)
         if args.command == "config-schema":
             return _config_schema(args)
+        if args.command == "plugins":
+            return _plugins(args)
+        if args.command == "trace":
+            return _trace(args)
         if args.command in ("serve", "checkpoint"):
             from retrograd.service.cli import main_for
             return main_for(args)

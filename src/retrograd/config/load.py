@@ -199,20 +199,6 @@ def load_config(path: Union[str, Path], overrides: Optional[list[str]] = None) -
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=name, directory=directory))
 
 
-def _check_gguf_model_output(cfg: RunConfig, src: Path) -> None:
-    """A GGUF model from an HF folder base is written from its config + tokenizer: check both can be
-    expressed before any training happens (a GGUF base keeps its own metadata, nothing to check)."""
-    folder = Path(cfg.model.path)
-    if not (folder / "config.json").is_file():
-        return  # a GGUF file, the built-in model, or a hub name resolved at load time
-    from retrograd.export.gguf_from_hf import check_hf_gguf
-    from transformers import AutoConfig, AutoTokenizer
-    try:
-        check_hf_gguf(AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder))
-    except ConfigError as e:
-        raise ConfigError(f"{src}: output {cfg.output.path!r}: {e}") from None
-
-
 def _resolve_grpo(cfg: RunConfig, src: Path, base: Path) -> RunConfig:
     """Build the [grpo.*] sub-tables with the same checks as top-level tables."""
     g = cfg.grpo
@@ -233,7 +219,9 @@ def _resolve_grpo(cfg: RunConfig, src: Path, base: Path) -> RunConfig:
     ov = subs["overlong_penalty"]
     if ov is not None and ov.buffer_tokens > sampling.max_new_tokens:
         raise ConfigError(f"{src}: grpo.overlong_penalty.buffer_tokens must be <= grpo.sampling.max_new_tokens")
-    return dataclasses.replace(cfg, grpo=dataclasses.replace(g, **subs))
+    from retrograd.config.rl import resolve_credit, resolve_policy_loss
+    g = resolve_policy_loss(resolve_credit(dataclasses.replace(g, **subs), src, base), src, base)
+    return dataclasses.replace(cfg, grpo=g)
 
 
 PREFERENCE_BETA = {"dpo": 0.1, "ipo": 0.1, "simpo": 2.0, "orpo": 0.1}
@@ -280,8 +268,6 @@ def _cross_checks(cfg: RunConfig, src: Path) -> None:
                           "writes kind = 'model' (an HF folder, or a GGUF when the path ends in .gguf)")
     if kind == "peft" and tr.trainable != "lora":
         raise ConfigError(f"{src}: output.kind = 'peft' needs training.trainable = 'lora'")
-    if kind == "model" and out.path.endswith(".gguf"):
-        _check_gguf_model_output(cfg, src)
     if kind == "peft" and out.path.endswith(".gguf"):
         raise ConfigError(f"{src}: output.kind = 'peft' writes a folder, but output.path ends in .gguf")
     ck = cfg.checkpoint
@@ -392,6 +378,14 @@ def json_schema() -> dict:
     props = {name: _table_schema(cls) for name, cls in schema.TABLES.items()}
     for key, cls in schema.GRPO_SUBTABLES.items():  # [grpo.sampling] etc.
         props["grpo"]["properties"][key] = {**_table_schema(cls), "description": props["grpo"]["properties"][key]["description"]}
+    from retrograd.algorithms.transforms import TABLE_DEFAULTS, TABLE_HELP
+    py = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array"}
+    for table, defaults in TABLE_DEFAULTS.items():  # [grpo.gtpo] etc.: the token transforms' parameters
+        props["grpo"]["properties"][table] = {
+            "type": "object", "additionalProperties": False,
+            "description": props["grpo"]["properties"][table]["description"],
+            "properties": {k: {**({"type": py[type(v)]} if type(v) in py else {}), "default": v,
+                               "description": TABLE_HELP[table][k]} for k, v in defaults.items()}}
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "retrograd run.toml",
             "type": "object", "properties": props, "required": ["run", "model", "output"],
             "additionalProperties": False}

@@ -182,10 +182,45 @@ class GrpoTable:
     clip_range_low: float = opt(0.2, min=0, max=1, help="ratio clip below 1")
     clip_range_high: float = opt(0.28, min=0, help="ratio clip above 1 (clip-higher)")
     kl_coefficient: float = opt(0.0, min=0, help="weight of the k3 KL to the reference (0 skips the reference pass)")
-    importance_sampling_level: str = opt("token", choices=("token", "sequence"), help="token, or sequence (GSPO)")
-    baseline: str = opt("mean", choices=("mean", "leave_one_out", "rloo"), help="group baseline: mean or leave-one-out")
+    importance_sampling_level: str = opt("token", choices=("token", "sequence"),
+                                         help="token, or sequence (GSPO: the same as policy_loss = \"gspo\")")
+    baseline: str = opt("mean", choices=("mean", "leave_one_out", "rloo"),
+                        help="group baseline: mean, or leave-one-out (the same as advantage_mode = \"rloo\")")
     scale_rewards: str = opt("none", choices=("none", "std"),
-                             help="none (Dr. GRPO) or divide advantages by the group std (original GRPO)")
+                             help="none (Dr. GRPO) or divide advantages by the group std (original GRPO; the same "
+                                  "as advantage_mode = \"grpo_std\")")
+    # ---- credit assignment: episode advantages x token transforms (retrain's names and maths) ----
+    algorithm_mode: Optional[str] = opt(None, help="a named recipe setting advantage_mode and transform_mode: "
+                                                   "grpo_none, maxrl_none, maxrl_gtpo, maxrl_gtpo_hicra, maxrl_gtpo_sepa, "
+                                                   "reinforce_pp_{none,gtpo,gtpo_sepa,delight,delight_sepa}, "
+                                                   "discover_entropic (`retrograd plugins` lists them)")
+    advantage_mode: Optional[str] = opt(None, help="episode advantage of each completion: grpo (r - group mean; "
+                                                   "default), rloo, grpo_std, maxrl, reinforce_pp, discover_entropic, "
+                                                   "or your own 'module:function'")
+    transform_mode: Optional[str] = opt(None, help="token-level credit: none (default), gtpo, gtpo_hicra, gtpo_sepa, "
+                                                   "gtpo_sepa_amp, gtpo_sepa_amp_c, entropy_mask, delight, delight_sepa, "
+                                                   "hard_delight, or your own 'module:function'")
+    uncertainty_kind: Optional[str] = opt(None, help="the token uncertainty GTPO-family transforms weigh by: "
+                                                     "surprisal (default), predictive_variance, shannon_entropy")
+    batch_advantage_norm: bool = opt(False, help="REINFORCE++: normalise the non-zero token advantages over the "
+                                                 "whole update (mean 0, std 1)")
+    adv_clip_max: float = opt(0.0, min=0, help="clamp token advantages to [-C, C] (0: off)")
+    advantage_params: dict = opt({}, help="[grpo.advantage_params]: parameters of the advantage mode "
+                                          "(discover_entropic: beta, target_kl, beta_max; a plugin's own)")
+    transform_params: dict = opt({}, help="[grpo.transform_params]: parameters of a plugin transform")
+    # ---- the policy loss ----
+    policy_loss: str = opt("clip", help="clip (PPO clip with Clip-Higher and dual-clip), gspo, cispo, sapo, gmpo, "
+                                        "kl_cov, clip_cov, importance_sampling, dro, or your own 'module:function'")
+    clip_ratio_c: float = opt(3.0, min=0, help="dual-clip: for A < 0 the objective is at most c * |A| "
+                                               "(0 turns it off; else > 1)")
+    policy_loss_params: dict = opt({}, help="[grpo.policy_loss_params]: the loss's own parameters (sapo: tau_pos, "
+                                            "tau_neg; kl_cov: kl_cov_ratio, kl_cov_coef; ...)")
+    importance_correction: str = opt("none", choices=("none", "token_truncate", "token_mask", "sequence_truncate",
+                                                      "sequence_mask"),
+                                     help="off-policy correction of the sampler's distribution (TIS / MIS, as TRL's "
+                                          "vllm_importance_sampling_mode): ratio of the training policy to the sampler")
+    importance_correction_max: float = opt(3.0, min=0, min_exclusive=True, help="upper bound of the correction ratio")
+    importance_correction_min: Optional[float] = opt(None, min=0, help="lower bound (mask modes; default none)")
     loss_normalisation: str = opt("constant", choices=("token", "constant", "sequence"),
                                   help="constant: / (completions x max_new_tokens) (Dr. GRPO); token: / tokens "
                                        "(DAPO); sequence: per-completion mean (GRPO)")
@@ -206,6 +241,12 @@ class GrpoTable:
     overlong_penalty: Optional[dict] = opt(None, help="[grpo.overlong_penalty]: buffer_tokens, max_penalty")
     kl_schedule: Optional[dict] = opt(None, help="[grpo.kl_schedule]: warmup_updates, target")
     dynamic_sampling: Optional[dict] = opt(None, help="[grpo.dynamic_sampling]: max_resample_factor")
+    gtpo: Optional[dict] = opt(None, help="[grpo.gtpo]: beta (GTPO's uncertainty weighting)")
+    hicra: Optional[dict] = opt(None, help="[grpo.hicra]: alpha (planning-token amplification)")
+    planning: Optional[dict] = opt(None, help="[grpo.planning]: detector, strategic_grams, model, threshold")
+    sepa: Optional[dict] = opt(None, help="[grpo.sepa]: steps, schedule, delay_steps, correct_rate_gate")
+    delight: Optional[dict] = opt(None, help="[grpo.delight]: eta, eta_mode, norm_mode, lambda, k_frac, ...")
+    entropy_mask: Optional[dict] = opt(None, help="[grpo.entropy_mask]: rho")
 
 
 GRPO_SUBTABLES = {"sampling": GrpoSamplingTable, "overlong_penalty": GrpoOverlongTable,

@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from retrograd.errors import ConfigError
-from retrograd.export.gguf_lora import ARCHS, finish_gguf, permute_rows
+from retrograd.export.gguf_lora import finish_gguf
+from retrograd.models.architectures import ARCHS, permute_rows
 
 
 def _byte_level(p: dict) -> bool:

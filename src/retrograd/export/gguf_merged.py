@@ -17,7 +17,8 @@ import torch
 
 from retrograd.errors import ConfigError
 from retrograd.export.gguf_from_hf import add_weight
-from retrograd.export.gguf_lora import ARCHS, finish_gguf, permute_rows
+from retrograd.export.gguf_lora import finish_gguf
+from retrograd.models.architectures import ARCHS, permute_rows
 
 DTYPES = ("f32", "f16", "q8_0")
 

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from retrograd.errors import ConfigError
+from retrograd.models.architectures import ARCHS, adapter_tensors, unpermute_rows
 
 
 @dataclass
@@ -61,16 +62,9 @@ def adapter_layout(path: str | Path, model) -> AdapterSpec:
     return spec
 
 
-def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Inverse of gguf_lora.permute_rows (interleaved -> rotate-half RoPE row order)."""
-    out = w.shape[0]
-    return w.reshape(n_head, out // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def gguf_module_names(model, kinds: list[str]) -> list[str]:
     """GGUF tensor kinds (attn_q, ffn_up, ...) -> the model's leaf module names."""
     import gguf
-    from retrograd.export.gguf_lora import ARCHS
     cfg = model.config
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, ARCHS[cfg.model_type][0]), cfg.num_hidden_layers)
     found = {}
@@ -91,7 +85,6 @@ def load_tensors(path: str | Path, model) -> dict[str, torch.Tensor]:
     params = {n: p for n, p in model.named_parameters() if "lora_" in n}
     if _is_gguf(path):
         import gguf
-        from retrograd.export.gguf_lora import ARCHS, adapter_tensors
         cfg = model.config
         if cfg.model_type not in ARCHS:
             raise ConfigError(f"lora.init_adapter: GGUF adapters are read for {', '.join(ARCHS)} models only")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from retrograd.export.gguf_lora import ARCHS as GGUF_ARCHS
+from retrograd.models.architectures import ARCHS as GGUF_ARCHS
 from retrograd.models.lora import ALIASES, block_linear_names
 
 

@@ -21,16 +21,15 @@ naming the reward and the prompt; it is never replaced by a silent zero.
 """
 from __future__ import annotations
 
-import importlib
 import math
 import re
 import signal
-import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from retrograd.algorithms.registry import PluginError, import_object
 from retrograd.errors import ConfigError, RetrogradError
 
 
@@ -164,20 +163,10 @@ def call_with_timeout(fn, seconds: float, *args, **kwargs):
 
 
 def python_reward(function: str, base: Path, timeout_seconds: float = 600):
-    module_name, sep, attr = function.partition(":")
-    if not sep:
-        module_name, _, attr = function.rpartition(".")
-    if not module_name or not attr:
-        raise ConfigError(f"reward 'python': function = {function!r} must be 'module:name' or 'module.name'")
-    if str(base) not in sys.path:
-        sys.path.insert(0, str(base))
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"reward 'python': cannot import {function!r} ({e}); the TOML's folder {base} is on "
-                          "the import path") from None
-    if not callable(fn):
-        raise ConfigError(f"reward 'python': {function!r} is not callable")
+        fn = import_object(function, base)
+    except PluginError as e:
+        raise ConfigError(f"reward 'python': {e}") from None
     if not (isinstance(timeout_seconds, (int, float)) and timeout_seconds > 0):
         raise ConfigError(f"reward 'python' {function!r}: timeout_seconds must be a positive number of seconds")
 
@@ -214,6 +203,17 @@ class Reward:
             if not math.isfinite(v):
                 raise RewardError(f"reward {self.name!r} returned {v} for the completion of prompt {prompts[i][:80]!r}")
         return values
+
+
+# `type` of a [[grpo.rewards]] table -> what it scores (`retrograd plugins` lists these)
+REWARD_TYPES = {
+    "match": "1 when the extracted answer (last_number, boxed, answer_line, exact) equals a column",
+    "math": "1 when math-verify finds the answer equivalent (pip install 'retrograd[math]')",
+    "format": "1 when a regex matches the completion",
+    "length": "-penalty * characters beyond target / target",
+    "python": "your function = 'module:name' with TRL's signature",
+    "command": "an external program speaking retrograd-reward/1",
+}
 
 
 def build_rewards(specs: list[dict], base: Path, command: dict | None = None) -> list[Reward]:

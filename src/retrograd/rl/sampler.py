@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from retrograd.models.logprobs import split_prompts
+
 
 @dataclass
 class Samples:
@@ -32,6 +34,7 @@ class Samples:
     behaviour_logprobs: list[list[float]]
     truncated: list[bool]  # used every max_new_tokens without EOS / stop string
     generated_tokens: int  # tokens the batch decoded (what sampling tokens/s counts)
+    entropies: list[list[float]] | None = None  # Shannon entropy of the sampled distribution, when asked
 
 
 def eos_ids(tokenizer, model) -> set[int]:
@@ -117,6 +120,12 @@ def sampling_copy(model, dtype: torch.dtype):
         del low, memo
 
 
+def distribution_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] logits (-inf outside the support) -> [B] Shannon entropy in nats, -sum p log p."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
+
+
 def draw_from_logits(logits: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(token [B], its log-probability [B]) drawn from softmax(logits [B, V]) by inverse CDF: one
     uniform per row against the running sum of exp(logits - max). torch.multinomial draws an
@@ -131,42 +140,6 @@ def draw_from_logits(logits: torch.Tensor, generator: torch.Generator) -> tuple[
     tok = torch.searchsorted(cdf, u, right=True).squeeze(1)
     chosen = logits.gather(1, tok[:, None])
     return tok, (chosen - top - total.log()).squeeze(1)
-
-
-# a separate pass over the prompts' common prefix costs one more forward's fixed overhead (training:
-# ~20 ms with backward on SmolLM2); it pays once it saves this many prompt tokens
-MIN_SHARED_PREFIX_SAVING = 16
-
-
-def shared_prefix_length(prompts: list[list[int]]) -> int:
-    """Tokens at the start of every prompt worth running once for all of them: the longest common
-    prefix, leaving each prompt at least one token of its own (whose hidden state predicts the first
-    completion token); 0 when one prompt or when sharing saves fewer than MIN_SHARED_PREFIX_SAVING."""
-    if len(prompts) < 2:
-        return 0
-    first, n = prompts[0], min(len(p) for p in prompts) - 1
-    common = 0
-    while common < n and all(p[common] == first[common] for p in prompts):
-        common += 1
-    return common if common * (len(prompts) - 1) >= MIN_SHARED_PREFIX_SAVING else 0
-
-
-def split_prompts(prompts: list[list[int]], pad_id: int, device=None):
-    """Prompts as (prefix [c] or None, ids [P, W], attention [P, W], positions [P, W]): their shared
-    prefix (shared_prefix_length) apart, and what follows it left-padded so every prompt ends in the
-    last column, at positions counted after the prefix. Both the sampler's prefill and GRPO's
-    training forward run prompts this way."""
-    common = shared_prefix_length(prompts)
-    rest = [p[common:] for p in prompts]
-    width = max(len(p) for p in rest)
-    ids = torch.full((len(rest), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(rest), width), dtype=torch.long)
-    for i, p in enumerate(rest):
-        ids[i, width - len(p):] = torch.tensor(p)
-        attention[i, width - len(p):] = 1
-    positions = common + (attention.cumsum(-1) - 1).clamp(min=0)
-    prefix = torch.tensor(prompts[0][:common], device=device) if common else None
-    return prefix, ids.to(device), attention.to(device), positions.to(device)
 
 
 def decoder_for(model, dtype: torch.dtype = torch.float32):
@@ -190,9 +163,11 @@ def decoder_for(model, dtype: torch.dtype = torch.float32):
 @torch.no_grad()
 def sample(model, prompts: list[list[int]], group_size: int, max_new_tokens: int, *, eos_ids: set[int],
            pad_id: int, generator: torch.Generator | None, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-           stop=None, dtype: torch.dtype | None = None) -> Samples:
+           stop=None, dtype: torch.dtype | None = None, entropy: bool = False) -> Samples:
     """`stop(completion_ids) -> int | None`: optional stop-string check, returning how many tokens to keep.
-    temperature = 0 decodes greedily (no generator needed). `dtype` is the precision of the big
+    temperature = 0 decodes greedily (no generator needed). `entropy` also returns, per sampled token,
+    the Shannon entropy of the distribution it was drawn from (temperature / top-k / top-p applied),
+    from the step's [B, V] logits (one more pass over them; never a [B, T, V] copy). `dtype` is the precision of the big
     matmuls while sampling (see rl/decoder.py; default: bfloat16 for a bf16 model, else float32);
     the model itself is never changed."""
     param = next(model.parameters())
@@ -204,19 +179,20 @@ def sample(model, prompts: list[list[int]], group_size: int, max_new_tokens: int
         fast, context = decoder_for(model, dtype)
         with context as generic:
             return _decode(fast or generic, prompts, group_size, max_new_tokens, eos_ids, pad_id, generator,
-                           temperature, top_k, top_p, stop, param.device)
+                           temperature, top_k, top_p, stop, param.device, entropy)
     finally:
         model.train(was_training)
 
 
 def _decode(decoder, prompts, group_size, max_new_tokens, eos_ids, pad_id, generator, temperature, top_k, top_p,
-            stop, device) -> Samples:
+            stop, device, entropy=False) -> Samples:
     prefix, ids, attention, positions = split_prompts(prompts, pad_id, device)
     logits = decoder.prefill(ids, attention, positions, group_size, max_new_tokens, prefix=prefix)
 
     batch = len(prompts) * group_size
     tokens = torch.empty((batch, max_new_tokens), dtype=torch.long)
     logps = torch.empty((batch, max_new_tokens), dtype=torch.float32)
+    entropies = torch.zeros((batch, max_new_tokens), dtype=torch.float32) if entropy else None
     lengths = torch.full((batch,), max_new_tokens, dtype=torch.long)
     done = torch.zeros(batch, dtype=torch.bool)
     active = torch.arange(batch)  # the completion each row of the decoder's batch belongs to
@@ -227,8 +203,11 @@ def _decode(decoder, prompts, group_size, max_new_tokens, eos_ids, pad_id, gener
             tok = logits.argmax(-1).cpu()
             logps[active, t] = 0.0
         else:
-            tok, logp = draw_from_logits(filter_logits(logits, temperature, top_k, top_p), generator)
+            filtered = filter_logits(logits, temperature, top_k, top_p)
+            tok, logp = draw_from_logits(filtered, generator)
             logps[active, t] = logp
+            if entropies is not None:
+                entropies[active, t] = distribution_entropy(filtered).cpu()
         tokens[active, t] = tok
         decoded += len(active)
         finished = active[torch.isin(tok, eos)]
@@ -248,4 +227,5 @@ def _decode(decoder, prompts, group_size, max_new_tokens, eos_ids, pad_id, gener
         logits = decoder.step(tok.to(device))
     n = lengths.tolist()
     return Samples([i // group_size for i in range(batch)], [tokens[i, :n[i]].tolist() for i in range(batch)],
-                   [logps[i, :n[i]].tolist() for i in range(batch)], (~done).tolist(), decoded)
+                   [logps[i, :n[i]].tolist() for i in range(batch)], (~done).tolist(), decoded,
+                   [entropies[i, :n[i]].tolist() for i in range(batch)] if entropies is not None else None)

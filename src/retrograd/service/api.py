@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from retrograd.checkpoint.state import verify_state
-from retrograd.service.engine import BaseModel, Run, prompt_logprobs, sample_sequences
+from retrograd.models.logprobs import Scorer
+from retrograd.service.engine import BaseModel, Run, sample_sequences
 from retrograd.service.futures import Executor, JobError
 from retrograd.service.registry import Caller, CheckpointRow, Registry
 from retrograd.service.storage import CheckpointStore, Signer
@@ -447,7 +448,7 @@ class Service:
         def job():
             with self._sampling_model(sampler) as model:
                 seqs = sample_sequences(model, sampler.base.tokenizer, prompt, n, params, sampler.base.max_context)
-                plp, top = prompt_logprobs(model, prompt, topk) if want_prompt_lp else (None, None)
+                plp, top = Scorer(model).prompt_logprobs(prompt, topk) if want_prompt_lp else (None, None)
             return wire.encode_sample_response(seqs, plp if body.get("prompt_logprobs") else None, top)
 
         request_id = self.executor.submit(caller.owner, job)

@@ -80,7 +80,7 @@ def run_serve(args) -> int:
     from retrograd.service.api import Service
     from retrograd.service.engine import read_base
     from retrograd.service.http import make_server
-    from retrograd.train.common import configure_torch
+    from retrograd.device import configure_torch
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)

@@ -23,11 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from retrograd.algorithms.sft import linear_token_logprobs
+from retrograd.algorithms.optim import clip_gradients
 from retrograd.algorithms.tinker_losses import REQUIRED_INPUTS, datum_loss, resolve_config
 from retrograd.models.lora import ALIASES, attach_lora, block_linear_names
+from retrograd.models.logprobs import Scorer
 from retrograd.rl.sampler import eos_ids, sample, stop_string_check
-from retrograd.train.common import clip_gradients
 
 ATTN = ("q", "k", "v", "o")
 MLP = ("ffn_gate", "ffn_up", "ffn_down")
@@ -93,7 +93,7 @@ class Run:
         outputs, total = [None] * len(data), 0.0
         for chunk in _chunks(checked, PASS_TOKENS):
             with torch.set_grad_enabled(not forward_only):
-                lps = _target_logprobs(self.model, [checked[i] for i in chunk])
+                lps = Scorer(self.model).target_logprobs([(checked[i][0], checked[i][1]["target_tokens"]) for i in chunk])
                 loss = sum(datum_loss(loss_fn, lp, checked[i][1], config) for i, lp in zip(chunk, lps))
                 if not forward_only and loss.requires_grad:
                     loss.backward()
@@ -196,50 +196,6 @@ def _chunks(checked, budget: int) -> list[list[int]]:
         cur.append(i)
         width = w
     return out + ([cur] if cur else [])
-
-
-def _decoder_and_head(model):
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return getattr(base, base.base_model_prefix), base.get_output_embeddings()
-
-
-def _target_logprobs(model, rows) -> list[torch.Tensor]:
-    """log p(target) per datum ([N], or [N, K] for soft targets), one right-padded pass."""
-    decoder, head = _decoder_and_head(model)
-    width = max(len(t) for t, _ in rows)
-    ids = torch.zeros((len(rows), width), dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for r, (tokens, _) in enumerate(rows):
-        ids[r, :len(tokens)] = torch.tensor(tokens)
-        mask[r, :len(tokens)] = 1
-    hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state  # [B, T, H]
-    out = []
-    for r, (tokens, inputs) in enumerate(rows):
-        h, targets = hidden[r, :len(tokens)], inputs["target_tokens"]
-        if targets.ndim == 1:
-            out.append(linear_token_logprobs(h, head.weight, targets))
-        else:  # [N, K] soft targets: the K log-probs of each position
-            logp = torch.log_softmax((h @ head.weight.t()).float(), dim=-1)
-            out.append(logp.gather(1, targets))
-    return out
-
-
-def prompt_logprobs(model, prompt: list[int], topk: int = 0):
-    """[len(prompt)] log p(prompt[i] | prompt[:i]) with NaN at 0, and optional top-k ids/log-probs
-    per position (row 0 zeros)."""
-    decoder, head = _decoder_and_head(model)
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        hidden = decoder(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
-        logp = torch.log_softmax((hidden @ head.weight.t()).float(), dim=-1)  # [n-1, V]
-        lp = logp.gather(1, ids[0, 1:, None]).squeeze(1)
-        values = np.concatenate([[np.nan], lp.numpy()]).astype(np.float32)
-        top = None
-        if topk > 0:
-            v, i = torch.topk(logp, topk, dim=-1)
-            top = (np.concatenate([np.zeros((1, topk), np.int32), i.numpy().astype(np.int32)]),
-                   np.concatenate([np.zeros((1, topk), np.float32), v.numpy()]))
-    return values, top
 
 
 def sample_sequences(model, tokenizer, prompt: list[int], num_samples: int, params: dict, max_context: int):

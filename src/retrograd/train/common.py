@@ -1,6 +1,6 @@
-"""Step plumbing shared by every training loop: seeding and RNG capture, optimizer, clipping,
-stop signals, memory readings, the attention kernel for short bf16 passes, the run folder, and
-writing the final result to [output].path.
+"""Run plumbing shared by every training loop: seeding and RNG capture, stop signals, the run
+folder, and writing the final result to [output].path. (Device choices live in retrograd/device.py,
+the optimizer step in algorithms/optim.py.)
 
 Loops call these explicitly; nothing here owns the loop.
 """
@@ -8,58 +8,15 @@ from __future__ import annotations
 
 import os
 import random
-import resource
 import shutil
 import signal
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from retrograd.config.load import dump_toml, output_kind
-
-
-def configure_torch(threads: int | None) -> None:
-    if threads:
-        torch.set_num_threads(threads)
-    # CPU kernels are deterministic for a fixed thread count, which is what bit-exact resume needs.
-    # torch.use_deterministic_algorithms is deliberately not set: on CPU it steers attention away
-    # from the fused SDPA kernel and cost ~8% of SFT throughput, with no effect on exactness.
-
-
-EAGER_ATTENTION_MAX_KEYS = 256
-
-
-@contextmanager
-def attention_for_length(model, longest: int):
-    """Within: eager attention instead of SDPA for a bf16 model on CPU whose sequences are at most
-    EAGER_ATTENTION_MAX_KEYS long. There SDPA's flash kernel is the slow one (forward + backward,
-    9 heads: 2.4-3.4x slower at 47-79 keys, equal at 256, 1.7x faster at 512; float32 does not gain),
-    and eager's [B, H, S, S] probabilities are still small. Same values either way."""
-    cfg = getattr(model, "config", None)
-    param = next(model.parameters())
-    if (cfg is None or param.device.type != "cpu" or param.dtype != torch.bfloat16
-            or longest > EAGER_ATTENTION_MAX_KEYS or getattr(cfg, "_attn_implementation", None) != "sdpa"):
-        yield
-        return
-    cfg._attn_implementation = "eager"
-    try:
-        yield
-    finally:
-        cfg._attn_implementation = "sdpa"
-
-
-def pick_device(name: str) -> torch.device:
-    if name in ("cuda", "gpu"):
-        if not torch.cuda.is_available():
-            from retrograd.errors import ConfigError
-            raise ConfigError(f"model.device = {name!r} but torch sees no CUDA device")
-        return torch.device("cuda")
-    if name == "auto" and torch.cuda.is_available():
-        return torch.device("cuda")
-    return torch.device("cpu")
 
 
 def seed_everything(seed: int) -> None:
@@ -81,29 +38,6 @@ def set_rng_state(state: dict) -> None:
     torch.random.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def build_optimizer(params: list[torch.nn.Parameter], tr) -> torch.optim.Optimizer:
-    if tr.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=tr.lr, weight_decay=tr.weight_decay)
-    return torch.optim.AdamW(params, lr=tr.lr, betas=(tr.adam_beta1, tr.adam_beta2), eps=tr.adam_epsilon,
-                             weight_decay=tr.weight_decay)
-
-
-def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> float:
-    """Global L2 norm of the gradients (before clipping); clips when max_norm > 0."""
-    grads = [p for p in params if p.grad is not None]
-    if not grads:
-        return 0.0
-    if max_norm > 0:
-        return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in grads])))
-
-
-def peak_rss_mb() -> float:
-    """Peak resident memory of this process so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
 
 
 class StopRequest:

@@ -1,4 +1,4 @@
-"""Preference optimisation (DPO, IPO, SimPO, ORPO) as a Task of the shared loop (train/loop.py).
+"""Preference optimisation (DPO, IPO, SimPO, ORPO) as a Task of the offline loop (train/offline.py).
 
 A step takes `pairs_per_step` pairs; each forward/backward pass holds whole pairs (both sides), as
 many as fit in the pass token budget. The policy's summed response log-probabilities S come from
@@ -16,42 +16,26 @@ from pathlib import Path
 
 import torch
 
-from retrograd.algorithms.preference import NEEDS_REFERENCE, PreferenceParams, preference_loss, segment_sums
-from retrograd.algorithms.sft import linear_token_logprobs, select_targets
+from retrograd.algorithms.preference import NEEDS_REFERENCE, PreferenceParams, preference_loss
 from retrograd.checkpoint.fingerprint import fingerprint_path
 from retrograd.data.preference import Pair, flatten, load_pairs, response_lengths, split_pairs
 from retrograd.data.sampler import evenly_spaced
-from retrograd.data.sft import IGNORE, Renderer, collate, resolve_data_path
+from retrograd.data.sft import Renderer, collate, resolve_data_path
 from retrograd.errors import ConfigError
+from retrograd.models.logprobs import Scorer, to_device
 from retrograd.train import reference_cache
-from retrograd.train.loop import Setup, TrainResult, run_training
-from retrograd.train.sft import CE_CHUNK_ROWS, TokenLoss, to_device
+from retrograd.train.offline import train_offline
+from retrograd.train.setup import Run, TrainResult
 
 
-class SequenceLogprobs(TokenLoss):
-    """Summed log-probability of each row's trained (response) tokens: batch -> [B] float32."""
-
-    def __call__(self, batch: dict) -> torch.Tensor:
-        labels = batch["labels"]
-        rows = torch.arange(labels.shape[0], device=labels.device)[:, None].expand(-1, labels.shape[1] - 1)
-        keep = labels[:, 1:] != IGNORE
-        if not self.fused:
-            logp = torch.log_softmax(self.logits(batch)[:, :-1].float(), -1)
-            tok = logp.gather(-1, labels[:, 1:].clamp(min=0)[..., None]).squeeze(-1)  # [B, T-1]
-            return (tok * keep).sum(-1)
-        h, y = select_targets(self.hidden(batch), labels)  # [N, H], [N]
-        logp = linear_token_logprobs(h, self.head.weight, y, chunk_size=CE_CHUNK_ROWS)  # [N]
-        return segment_sums(logp, rows[keep], labels.shape[0])
-
-
-def score_pairs(scorer: SequenceLogprobs, model, pairs: list[Pair], pass_tokens, pad_id: int, device) -> torch.Tensor:
+def score_pairs(scorer: Scorer, model, pairs: list[Pair], pass_tokens, pad_id: int, device) -> torch.Tensor:
     """[len(pairs), 2] float64 summed log-probs (chosen, rejected), no gradient, dropout off."""
     was_training = model.training
     model.eval()
     out = []
     with torch.no_grad():
         for chunk in split_pairs(pairs, pass_tokens):
-            s = scorer(to_device(collate(flatten(chunk), pad_id), device)).double().cpu()
+            s = scorer.sequence_logprobs(to_device(collate(flatten(chunk), pad_id), device)).double().cpu()
             out.append(s.view(-1, 2))
     model.train(was_training)
     return torch.cat(out) if out else torch.zeros(0, 2, dtype=torch.float64)
@@ -64,7 +48,7 @@ def _mean(stats: dict[str, list[torch.Tensor]]) -> dict[str, float]:
 class PreferenceTask:
     eval_metric = "preference_loss"
 
-    def __init__(self, s: Setup):
+    def __init__(self, s: Run):
         cfg, tr, pc, ev = s.cfg, s.cfg.training, s.cfg.preference, s.cfg.evaluation
         self.s, self.cfg, self.tr, self.pc, self.ev = s, cfg, tr, pc, ev
         renderer = Renderer(s.tokenizer, tr.ctx, True, pc.template_variables)
@@ -83,7 +67,7 @@ class PreferenceTask:
             self.fingerprints["eval_data"] = fingerprint_path(resolve_data_path(ev.data))
         if cfg.reference is not None:
             self.fingerprints["reference_model"] = _reference_fingerprint(cfg.reference.model)
-        self.scorer = SequenceLogprobs(s.model)
+        self.scorer = Scorer(s.model)
         self.pad_id = s.tokenizer.pad_token_id
         self.ref_train = self.ref_eval = None
         self.warned_drop = False
@@ -124,7 +108,7 @@ class PreferenceTask:
                 raise ConfigError(f"reference.model {self.cfg.reference.model}: its tokenizer differs from the trained "
                                   "model's; the reference must score the very same token ids")
             ref.model.to(s.device)
-            scorer = SequenceLogprobs(ref.model)
+            scorer = Scorer(ref.model)
             out = (score_pairs(scorer, ref.model, self.rows, s.pass_tokens, self.pad_id, s.device),
                    score_pairs(scorer, ref.model, self.eval_rows, s.pass_tokens, self.pad_id, s.device))
             del ref, scorer
@@ -155,7 +139,7 @@ class PreferenceTask:
         stats: dict[str, list[torch.Tensor]] = {}
         losses, n_tokens = [], 0
         for chunk in split_pairs(pairs, self.s.pass_tokens):
-            logps = self.scorer(to_device(collate(flatten(chunk), self.pad_id), self.s.device)).cpu()
+            logps = self.scorer.sequence_logprobs(to_device(collate(flatten(chunk), self.pad_id), self.s.device)).cpu()
             ref = self.ref_train[[p.index for p in chunk]] if self.ref_train is not None else None
             loss, st = self._loss(chunk, logps, ref)
             (loss.sum() / len(pairs)).backward()
@@ -186,7 +170,7 @@ class PreferenceTask:
         losses, done = [], 0
         with torch.no_grad():
             for chunk in split_pairs(self.eval_rows, self.s.pass_tokens):
-                logps = self.scorer(to_device(collate(flatten(chunk), self.pad_id), self.s.device)).cpu()
+                logps = self.scorer.sequence_logprobs(to_device(collate(flatten(chunk), self.pad_id), self.s.device)).cpu()
                 # ref_eval rows follow eval_rows (the evaluated subset), in order
                 ref = self.ref_eval[done:done + len(chunk)] if self.ref_eval is not None else None
                 done += len(chunk)
@@ -208,4 +192,4 @@ def _reference_fingerprint(path: str) -> str:
 
 
 def train_preference(cfg, resume: str | None = None, log=print) -> TrainResult:
-    return run_training(cfg, PreferenceTask, resume, log)
+    return train_offline(cfg, PreferenceTask, resume, log)

@@ -1,4 +1,5 @@
-"""Next-token cross-entropy for SFT, as pure tensor functions.
+"""The LM head fused with its loss, as pure tensor functions: next-token cross-entropy (SFT) and
+per-token log-probabilities (preference, RL, the service), chunked over rows.
 
 `linear_cross_entropy_sum(hidden, weight, targets)` computes  sum_i -log softmax(hidden_i @ W^T)[t_i]
 over the selected positions only, in chunks of rows, and never keeps the [N, V] logits: the

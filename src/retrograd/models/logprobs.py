@@ -1,0 +1,201 @@
+"""Per-token scoring of a causal LM: what every training family and the service read from the model.
+
+`Scorer(model)` runs the decoder and the LM head, through the fused chunked head
+(models/fused_head.py: no [B, T, V] logits) when the head is a plain linear layer, else through the
+model's own logits. One scorer, five readings:
+
+  loss_sum(batch)            summed next-token cross-entropy of the labelled tokens (SFT)
+  sequence_logprobs(batch)   [B] summed log-probabilities of each row's labelled tokens (preference)
+  token_logprobs(batch, W)   [B, W] per-token log-probabilities of each row's completion (RL)
+  shared_prompt_logprobs     the same [N, W], each prompt run once for all its completions and the
+                             prompts' common prefix once for all prompts, through the KV cache (RL)
+  target_logprobs(rows)      log p(target) per datum at every input position (the Tinker service)
+
+`split_prompts` lays out prompts for a shared-prefix forward; the sampler's prefill and the RL
+training forward both use it, so the positions they give the model are the same.
+"""
+from __future__ import annotations
+
+import torch
+
+from retrograd.models.fused_head import (IGNORE, cross_entropy_sum_reference, linear_cross_entropy_sum,
+                                         linear_token_logprobs, select_targets)
+
+# rows of logits alive at once in the fused head: 256 x 49k vocabulary x 4 B = 50 MB (1,024 rows
+# cost ~250 MB more peak memory and were no faster)
+CE_CHUNK_ROWS = 256
+# configs that transform logits after the head; those models take the plain full-logits path
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale", "logits_scaling")
+# a separate pass over the prompts' common prefix costs one more forward's fixed overhead (training:
+# ~20 ms with backward on SmolLM2); it pays once it saves this many prompt tokens
+MIN_SHARED_PREFIX_SAVING = 16
+
+
+def to_device(batch: dict, device) -> dict:
+    return {k: (v.to(device) if v is not None else None) for k, v in batch.items()}
+
+
+class Scorer:
+    def __init__(self, model):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.head = base.get_output_embeddings()
+        self.decoder = getattr(base, base.base_model_prefix)
+        self.base = base
+        plain_head = isinstance(self.head, torch.nn.Linear) and self.head.bias is None
+        transforms = any(getattr(base.config, k, None) not in (None, 1.0) for k in _LOGIT_TRANSFORMS)
+        self.fused = plain_head and not transforms
+
+    # ---- the two forwards ------------------------------------------------------------------------
+    def hidden(self, batch: dict) -> torch.Tensor:
+        return self.decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                            use_cache=False).last_hidden_state  # [B, T, H]
+
+    def logits(self, batch: dict) -> torch.Tensor:
+        return self.base(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         use_cache=False).logits  # [B, T, V]
+
+    def _shifted_logprobs(self, batch: dict) -> torch.Tensor:
+        """Unfused path: [B, T-1] log p(labels[:, t+1]) from full logits (0 where unlabelled)."""
+        labels = batch["labels"]
+        lp = torch.log_softmax(self.logits(batch)[:, :-1].float(), -1)
+        return lp.gather(-1, labels[:, 1:].clamp(min=0)[..., None]).squeeze(-1) * (labels[:, 1:] != IGNORE)
+
+    # ---- readings --------------------------------------------------------------------------------
+    def loss_sum(self, batch: dict) -> torch.Tensor:
+        """Summed next-token loss of the labelled tokens (a float32 scalar)."""
+        if not self.fused:
+            return cross_entropy_sum_reference(self.logits(batch), batch["labels"])
+        h, y = select_targets(self.hidden(batch), batch["labels"])  # [N, H], [N]
+        return linear_cross_entropy_sum(h, self.head.weight, y, chunk_size=CE_CHUNK_ROWS)
+
+    def sequence_logprobs(self, batch: dict) -> torch.Tensor:
+        """[B] float32: each row's summed log-probability of its labelled (response) tokens."""
+        labels = batch["labels"]
+        if not self.fused:
+            return self._shifted_logprobs(batch).sum(-1)
+        keep = labels[:, 1:] != IGNORE
+        rows = torch.arange(labels.shape[0], device=labels.device)[:, None].expand_as(keep)[keep]
+        h, y = select_targets(self.hidden(batch), labels)
+        logp = linear_token_logprobs(h, self.head.weight, y, chunk_size=CE_CHUNK_ROWS)  # [N]
+        return torch.zeros(labels.shape[0], dtype=logp.dtype, device=logp.device).index_add(0, rows, logp)
+
+    def token_logprobs(self, batch: dict, width: int) -> torch.Tensor:
+        """[B, width]: log-probabilities of each row's labelled tokens, packed from column 0 (a
+        completion's j-th token in column j), 0 beyond each row's count."""
+        labels = batch["labels"]
+        keep = labels[:, 1:] != IGNORE  # [B, T-1]
+        rows = torch.arange(labels.shape[0], device=labels.device)[:, None].expand_as(keep)[keep]
+        cols = (keep.cumsum(1) - 1)[keep]  # position within the completion
+        if self.fused:
+            h, y = select_targets(self.hidden(batch), labels)
+            logp = linear_token_logprobs(h, self.head.weight, y, chunk_size=CE_CHUNK_ROWS)
+        else:
+            logp = self._shifted_logprobs(batch)[keep]
+        return torch.zeros(labels.shape[0], width, dtype=logp.dtype, device=logp.device).index_put((rows, cols), logp)
+
+    def shared_prompt_logprobs(self, prompts: list[list[int]], completions: list[list[int]], owner: list[int],
+                               width: int, pad_id: int) -> torch.Tensor:
+        """The same [N, width] as `token_logprobs`, with each prompt run once for all its completions
+        (completion i belongs to prompts[owner[i]]) and the prompts' common prefix (a chat template's
+        system prompt) run once for all prompts. Three passes, each on the cache of the one before: the
+        common prefix [1, c]; the prompts' remainders [P, *] left-padded; the completions [N, *]. Keys
+        and values keep their graph when gathered for the next pass, so gradients reach every shared
+        position and the result equals one row per completion (tested), at c + sum(P remainders) +
+        completion tokens instead of N x (prompt + completion). Needs the fused head."""
+        device = self.head.weight.device
+        prefix, ids_p, attention_p, positions_p = split_prompts(prompts, pad_id, device)
+        cache = None
+        if prefix is not None:
+            c = prefix.shape[0]
+            cache = self.decoder(input_ids=prefix[None], position_ids=torch.arange(c, device=device)[None],
+                                 use_cache=True).past_key_values
+            cache.reorder_cache(torch.zeros(len(prompts), dtype=torch.long, device=device))  # one row per prompt
+            attention_p = torch.cat([torch.ones_like(attention_p[:, :1]).expand(-1, c), attention_p], 1)
+        out = self.decoder(input_ids=ids_p, attention_mask=attention_p, position_ids=positions_p,
+                           past_key_values=cache, use_cache=True)
+        rows = torch.tensor(owner, device=device)
+        cache = out.past_key_values
+        cache.reorder_cache(rows)  # index_select per layer: differentiable
+        last = out.last_hidden_state[rows, -1:]  # [N, 1, H]
+        n, n_max = len(completions), max(len(c) for c in completions)
+        ids = torch.full((n, n_max), pad_id, dtype=torch.long, device=device)
+        keep = torch.zeros((n, n_max), dtype=torch.bool, device=device)
+        for i, c in enumerate(completions):
+            ids[i, :len(c)] = torch.tensor(c, device=device)
+            keep[i, :len(c)] = True
+        attention = torch.cat([attention_p[rows], keep.long()], dim=1)
+        positions = positions_p[rows, -1:] + 1 + torch.arange(n_max, device=device)[None]
+        hidden = self.decoder(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
+                              use_cache=False).last_hidden_state  # [N, n_max, H]
+        # token j of a completion is predicted from the position before it: the prompt's last for j = 0
+        before = torch.cat([last, hidden[:, :-1]], dim=1)  # [N, n_max, H]
+        logp = linear_token_logprobs(before[keep], self.head.weight, ids[keep], chunk_size=CE_CHUNK_ROWS)
+        r = torch.arange(n, device=device)[:, None].expand_as(keep)[keep]
+        c = torch.arange(n_max, device=device)[None].expand_as(keep)[keep]
+        return torch.zeros(n, width, dtype=logp.dtype, device=device).index_put((r, c), logp)
+
+    def target_logprobs(self, rows: list[tuple[list[int], torch.Tensor]]) -> list[torch.Tensor]:
+        """Tinker datums (input tokens, target_tokens [N] or [N, K]) -> log p(target) per datum: [N], or
+        [N, K] for soft targets (their K log-probabilities at each position). One right-padded pass."""
+        width = max(len(t) for t, _ in rows)
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, (tokens, _) in enumerate(rows):
+            ids[r, :len(tokens)] = torch.tensor(tokens)
+            mask[r, :len(tokens)] = 1
+        hidden = self.decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state  # [B, T, H]
+        out = []
+        for r, (tokens, targets) in enumerate(rows):
+            h = hidden[r, :len(tokens)]
+            if targets.ndim == 1:
+                out.append(linear_token_logprobs(h, self.head.weight, targets))
+            else:  # [N, K] soft targets: the K log-probs of each position
+                out.append(torch.log_softmax((h @ self.head.weight.t()).float(), dim=-1).gather(1, targets))
+        return out
+
+    @torch.no_grad()
+    def prompt_logprobs(self, prompt: list[int], topk: int = 0):
+        """([n] log p(prompt[i] | prompt[:i]) with NaN at 0, and optionally the top-k (ids [n, k],
+        log-probs [n, k]) per position, row 0 zeros) as numpy arrays."""
+        import numpy as np
+        ids = torch.tensor([prompt])
+        hidden = self.decoder(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
+        logp = torch.log_softmax((hidden @ self.head.weight.t()).float(), dim=-1)  # [n-1, V]
+        lp = logp.gather(1, ids[0, 1:, None]).squeeze(1)
+        values = np.concatenate([[np.nan], lp.numpy()]).astype(np.float32)
+        top = None
+        if topk > 0:
+            v, i = torch.topk(logp, topk, dim=-1)
+            top = (np.concatenate([np.zeros((1, topk), np.int32), i.numpy().astype(np.int32)]),
+                   np.concatenate([np.zeros((1, topk), np.float32), v.numpy()]))
+        return values, top
+
+
+def shared_prefix_length(prompts: list[list[int]]) -> int:
+    """Tokens at the start of every prompt worth running once for all of them: the longest common
+    prefix, leaving each prompt at least one token of its own (whose hidden state predicts the first
+    completion token); 0 when one prompt or when sharing saves fewer than MIN_SHARED_PREFIX_SAVING."""
+    if len(prompts) < 2:
+        return 0
+    first, n = prompts[0], min(len(p) for p in prompts) - 1
+    common = 0
+    while common < n and all(p[common] == first[common] for p in prompts):
+        common += 1
+    return common if common * (len(prompts) - 1) >= MIN_SHARED_PREFIX_SAVING else 0
+
+
+def split_prompts(prompts: list[list[int]], pad_id: int, device=None):
+    """Prompts as (prefix [c] or None, ids [P, W], attention [P, W], positions [P, W]): their shared
+    prefix (shared_prefix_length) apart, and what follows it left-padded so every prompt ends in the
+    last column, at positions counted after the prefix."""
+    common = shared_prefix_length(prompts)
+    rest = [p[common:] for p in prompts]
+    width = max(len(p) for p in rest)
+    ids = torch.full((len(rest), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rest), width), dtype=torch.long)
+    for i, p in enumerate(rest):
+        ids[i, width - len(p):] = torch.tensor(p)
+        attention[i, width - len(p):] = 1
+    positions = common + (attention.cumsum(-1) - 1).clamp(min=0)
+    prefix = torch.tensor(prompts[0][:common], device=device) if common else None
+    return prefix, ids.to(device), attention.to(device), positions.to(device)

@@ -1,0 +1,96 @@
+"""The offline loop (SFT, preference), top to bottom: resolve --resume, start the run (model + LoRA,
+optimizer), let the Task load its data, restore a checkpoint, then for each optimizer step take the
+next rows in the seeded epoch order, let the Task run forward/backward, step, log, evaluate,
+checkpoint; always write [output].path. The building blocks are in train/setup.py.
+
+What differs per algorithm lives in a Task (train/sft.py, train/preference.py), all of it required:
+  rows, rows_per_step, shuffle      what one step consumes (step_description says it in words)
+  fingerprints                      data files a resume must find unchanged
+  eval_metric                       the evaluation number best.state minimises ("loss", ...)
+  prepare(resume_path)              work before the first step (e.g. scoring the reference once)
+  step(rows) -> metrics             forward + backward of one optimizer step (no optimizer call)
+  evaluate() -> metrics             held-out metrics, `eval_metric` among them
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from retrograd.algorithms.optim import optimizer_step
+from retrograd.checkpoint import state as ckpt
+from retrograd.config.load import trajectory_settings
+from retrograd.data.sampler import epoch_order, steps_per_epoch
+from retrograd.device import peak_rss_mb
+from retrograd.train.checkpointing import run_meta
+from retrograd.train.common import StopRequest
+from retrograd.train.setup import (Run, TrainResult, check_resumable, evaluation_due, finish, lr_for, open_metrics, record_eval,
+                                   resolve_resume, restore, save_checkpoint, schedule_state, start_run)
+
+
+def train_offline(cfg, make_task: Callable[[Run], object], resume: str | None = None, log=print) -> TrainResult:
+    tr, ev, ck = cfg.training, cfg.evaluation, cfg.checkpoint
+    resume_path = resolve_resume(cfg, resume)
+    run = start_run(cfg, log)
+    task = make_task(run)
+    total_steps = tr.max_steps or tr.epochs * steps_per_epoch(len(task.rows), task.rows_per_step)
+    meta = run_meta(run.cfg, {"model": run.loaded.fingerprint, **task.fingerprints}, trajectory_settings(run.cfg),
+                    run.lora_modules)
+    check_resumable(resume_path, meta)
+    task.prepare(resume_path)
+    progress = restore(run, resume_path)
+    if resume_path:
+        log(f"resumed from {resume_path} at step {progress['step']} (epoch {progress['epoch']}, "
+            f"row {progress['cursor']} of {len(task.rows)})")
+    metrics = open_metrics(run, total_steps, progress)
+    log(f"training {total_steps} steps of {task.step_description}; run folder {run.run_dir}")
+
+    stopped_by, last_eval = "done", None
+    if ev is not None and progress["step"] == 0:
+        metrics.log(0, task.evaluate())  # the base model's numbers: every curve starts where training began
+    order_epoch, order = -1, []
+    with StopRequest() as stop:
+        while progress["step"] < total_steps:
+            t0 = time.perf_counter()
+            # ---- the rows of this step: next in the seeded order of the current epoch ----
+            if order_epoch != progress["epoch"]:
+                order_epoch, order = progress["epoch"], epoch_order(len(task.rows), tr.seed, progress["epoch"],
+                                                                    task.shuffle)
+            rows = [task.rows[i] for i in order[progress["cursor"]:progress["cursor"] + task.rows_per_step]]
+            progress["cursor"] += len(rows)
+            epoch_done = progress["cursor"] >= len(task.rows)
+            if epoch_done:
+                progress["epoch"], progress["cursor"] = progress["epoch"] + 1, 0
+
+            # ---- forward/backward (the Task), one optimizer step ----
+            lr = lr_for(run, progress["step"], total_steps)
+            step_metrics = task.step(rows)
+            grad_norm = optimizer_step(run.optimizer, run.params, tr.max_grad_norm)
+            progress["step"] += 1
+            progress["tokens_seen"] += step_metrics["train/tokens"]
+            progress["lr_schedule"] = schedule_state(run, total_steps, lr)
+            step = progress["step"]
+            dt = time.perf_counter() - t0
+            metrics.log(step, {**step_metrics, "train/epoch": step * task.rows_per_step / len(task.rows),
+                               "optimizer/lr": lr, "optimizer/grad_norm": grad_norm,
+                               "system/tokens_per_second": step_metrics["train/tokens"] / dt,
+                               "system/step_seconds": dt, "system/peak_rss_mb": peak_rss_mb()})
+
+            # ---- evaluation, best.state, patience ----
+            if evaluation_due(ev, step, total_steps, epoch_done, progress["epoch"]):
+                eval_metrics = task.evaluate()
+                last_eval = eval_metrics[f"eval/{task.eval_metric}"]
+                improved = record_eval(progress, last_eval, False, ev.min_delta)
+                metrics.log(step, {**eval_metrics, f"eval/best_{task.eval_metric}": progress["best_eval"]})
+                if improved and ck is not None and ck.mode in ("best_eval", "steps_and_best_eval"):
+                    save_checkpoint(run, "best.state", progress, meta)
+                if ev.patience and progress["stale_evals"] >= ev.patience and step < total_steps:
+                    stopped_by = "patience"
+
+            # ---- step checkpoints, stop requests ----
+            if stop.signal is not None:
+                stopped_by = "signal"
+            if ck is not None and ((ck.every_steps and step % ck.every_steps == 0) or stopped_by == "signal"):
+                save_checkpoint(run, ckpt.step_name(step), progress, meta)
+            if stopped_by != "done":
+                break
+    return finish(run, metrics, progress, stopped_by, stop.exit_code, last_eval)

@@ -1,0 +1,166 @@
+"""The forward/backward of an RL update, called by the RL loops once per epoch:
+
+  batch = build_batch(...)             the completions that train, laid out in passes within the budget
+  ref = reference_logprobs(...)        the KL reference's log-probs, once per update (beta > 0)
+  for epoch: epoch_backward(...)       per pass: teacher-forced log-probs, the registered policy loss
+                                       against the first epoch's log-probs ("old"), off-policy weights,
+                                       + beta * k3 KL, aggregated over the whole update, backward
+
+Gradients accumulate across passes; the caller steps the optimizer. Splitting an update into passes
+gives the gradient of one pass (the normalisation's denominator is the whole update's), tested.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from retrograd.algorithms.off_policy import importance_weights
+from retrograd.algorithms.policy_losses import aggregate, k3_kl
+from retrograd.models.fused_head import IGNORE
+from retrograd.models.logprobs import Scorer
+
+
+@dataclass
+class UpdateBatch:
+    seqs: list[tuple[list[int], list[int]]]  # (prompt ids, completion ids) of each training row
+    prompt_of: list[int] | None  # each row's group when a group's prompt runs once, else None
+    passes: list[list[int]]  # row indices of each forward/backward pass
+    advantages: torch.Tensor  # [L, W] token advantages
+    behaviour: torch.Tensor  # [L, W] the sampler's log-probs of the sampled tokens
+    width: int  # W: the longest completion
+    normalisation: str  # token | constant | sequence
+    max_new_tokens: int
+    pad_id: int
+    # filled by the first epoch: the policy before the update and the off-policy weights, per pass
+    old: dict = field(default_factory=dict)
+    is_weights: dict = field(default_factory=dict)
+
+    @property
+    def denominator(self) -> float:
+        """The whole update's divisor, so that passes add up to the loss of one pass."""
+        return {"token": sum(len(c) for _, c in self.seqs), "constant": len(self.seqs) * self.max_new_tokens,
+                "sequence": len(self.seqs)}[self.normalisation]
+
+    def tokens(self) -> int:
+        return sum(len(p) + len(c) for p, c in self.seqs)
+
+
+def build_batch(seqs, prompt_of: list[int] | None, advantages: torch.Tensor, behaviour: list[list[float]],
+                budget: int | None, normalisation: str, max_new_tokens: int, pad_id: int, device) -> UpdateBatch:
+    """`advantages` [L, >= W] of the rows `seqs`; `prompt_of` None runs every row with its own prompt."""
+    width = max(len(c) for _, c in seqs)
+    behaviour_t = torch.zeros(len(seqs), width)
+    for i, lp in enumerate(behaviour):
+        behaviour_t[i, :len(lp)] = torch.tensor(lp)
+    return UpdateBatch(seqs, prompt_of, plan_passes(seqs, prompt_of, budget), advantages[:, :width].to(device),
+                       behaviour_t.to(device), width, normalisation, max_new_tokens, pad_id)
+
+
+def plan_passes(seqs, prompt_of: list[int] | None, budget: int | None) -> list[list[int]]:
+    """Indices of `seqs` per pass, within the token budget. Shared prompts: passes of whole groups,
+    costed at the prompt once + the completions; otherwise rows x the longest row."""
+    if prompt_of is not None:
+        groups: dict[int, list[int]] = {}
+        for j, p in enumerate(prompt_of):
+            groups.setdefault(p, []).append(j)
+        passes, cost = [], 0
+        for idx in groups.values():
+            size = len(seqs[idx[0]][0]) + sum(len(seqs[j][1]) for j in idx)
+            if not passes or (budget and cost + size > budget):
+                passes.append([])
+                cost = 0
+            passes[-1].extend(idx)
+            cost += size
+        return passes
+    if not budget:
+        return [list(range(len(seqs)))]
+    out, cur, width = [], [], 0
+    for i, (p, c) in enumerate(seqs):
+        w = max(width, len(p) + len(c))
+        if cur and w * (len(cur) + 1) > budget:
+            out.append(cur)
+            cur, w = [], len(p) + len(c)
+        cur.append(i)
+        width = w
+    return out + ([cur] if cur else [])
+
+
+def pass_logprobs(scorer: Scorer, batch: UpdateBatch, idx: list[int]) -> torch.Tensor:
+    """[len(idx), W] per-token log-probs of the completions of rows idx (0 beyond each)."""
+    seqs, prompt_of = batch.seqs, batch.prompt_of
+    if prompt_of is not None:
+        uniq = list(dict.fromkeys(prompt_of[j] for j in idx))
+        row = {p: n for n, p in enumerate(uniq)}
+        first = {prompt_of[j]: j for j in reversed(idx)}
+        return scorer.shared_prompt_logprobs([seqs[first[p]][0] for p in uniq], [seqs[j][1] for j in idx],
+                                             [row[prompt_of[j]] for j in idx], batch.width, batch.pad_id)
+    device = scorer.head.weight.device
+    return scorer.token_logprobs({k: (v.to(device) if v is not None else None)
+                                  for k, v in collate([seqs[j] for j in idx], batch.pad_id).items()}, batch.width)
+
+
+def collate(seqs: list[tuple[list[int], list[int]]], pad_id: int) -> dict:
+    """(prompt ids, completion ids) -> right-padded input_ids / labels (completion only) / mask."""
+    width = max(len(p) + len(c) for p, c in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(seqs), width), IGNORE, dtype=torch.long)
+    attention = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, (p, c) in enumerate(seqs):
+        n = len(p) + len(c)
+        ids[i, :n] = torch.tensor(p + c)
+        labels[i, len(p):n] = torch.tensor(c)
+        attention[i, :n] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": attention if bool((attention == 0).any()) else None}
+
+
+@torch.no_grad()
+def reference_logprobs(scorer: Scorer, batch: UpdateBatch) -> dict[int, torch.Tensor]:
+    """Per pass, the log-probs under `scorer` (the reference model, or the policy with its adapter
+    disabled by the caller), without gradient."""
+    return {k: pass_logprobs(scorer, batch, idx) for k, idx in enumerate(batch.passes)}
+
+
+def epoch_backward(scorer: Scorer, batch: UpdateBatch, loss_fn, loss_params: dict, *, correction: tuple = ("none", 3.0, None),
+                   ref_logp: dict | None = None, beta: float = 0.0) -> tuple[float, list[dict]]:
+    """One epoch over the update's passes: backward of the aggregated loss (gradients accumulate).
+    The first call records each pass's log-probs as the old policy and the off-policy weights of
+    the sampler's distribution (`correction` = (mode, max, min)). Returns (loss, per-pass stats)."""
+    total, stats = 0.0, []
+    for k, idx in enumerate(batch.passes):
+        logp = pass_logprobs(scorer, batch, idx)  # [b, W]
+        rows = torch.tensor(idx, device=logp.device)
+        n_completion = torch.tensor([len(batch.seqs[j][1]) for j in idx], device=logp.device)
+        mask = (n_completion[:, None] > torch.arange(batch.width, device=logp.device)[None]).to(logp.dtype)
+        first = k not in batch.old
+        if first:  # the policy before this update: "old" for every epoch
+            batch.old[k] = logp.detach()
+            batch.is_weights[k], is_stats = importance_weights(batch.old[k], batch.behaviour[rows], mask, *correction)
+        per_token, st = loss_fn(logp, batch.old[k], batch.advantages[rows].to(logp.dtype), mask, loss_params)
+        per_token = per_token * batch.is_weights[k]
+        if beta > 0:
+            kl = k3_kl(logp, ref_logp[k])
+            per_token = per_token + beta * kl
+            st["kl"] = (kl.detach() * mask).sum() / mask.sum().clamp(min=1)
+        if first and correction[0] != "none":
+            st.update({f"off_policy/{n}": v for n, v in is_stats.items()})
+        loss = aggregate(per_token, mask, batch.normalisation, max_new_tokens=batch.max_new_tokens,
+                         denominator=batch.denominator)
+        loss.backward()
+        total += float(loss.detach())
+        stats.append(st)
+    return total, stats
+
+
+def policy_metrics(stats: list[dict], loss: float, beta: float) -> dict:
+    """Token-weighted means of the passes' statistics (ratio, clipping, KL, off-policy weights)."""
+    out = {"train/loss": loss, "policy/loss": loss, "policy/beta": beta}
+    tokens = [float(st["tokens"]) for st in stats]
+    for key in sorted({k for st in stats for k in st} - {"tokens", "ratio_max", "ratio_min"}):
+        have = [(float(st[key]), w) for st, w in zip(stats, tokens) if key in st]
+        weight = sum(w for _, w in have)
+        name = key if "/" in key else f"policy/{key}"
+        out[name] = sum(v * w for v, w in have) / weight if weight > 0 else 0.0
+    out["policy/ratio_max"] = max(float(st["ratio_max"]) for st in stats)
+    out["policy/ratio_min"] = min(float(st["ratio_min"]) for st in stats)
+    return out

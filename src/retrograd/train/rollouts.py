@@ -1,0 +1,181 @@
+"""Rollouts for the RL loops: sample a group of completions per prompt with the live policy, score
+them with the reward functions, and (DAPO's dynamic sampling) replace groups without learning signal
+by fresh prompts; plus the completions log and the rollout metrics.
+
+Randomness: every draw is seeded by (sampling seed, update, attempt), so a resumed run samples and
+replaces exactly what the straight run did.
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from retrograd.algorithms.advantages import overlong_penalty, zero_signal_groups
+from retrograd.models.load import DTYPES
+from retrograd.rl.sampler import Samples, sample, stop_string_check
+
+# seeds of dynamic sampling's extra draws, far from the updates' own (update + attempt * this)
+RESAMPLE_SEED_STRIDE = 7919 * 1_000_000
+
+
+@dataclass
+class Rollouts:
+    """One update's groups: prompts[p] owns completions p*G .. p*G+G-1 (samples.prompt_index)."""
+    prompts: list  # data.prompts.Prompt rows, one per group
+    samples: Samples
+    rewards: torch.Tensor  # [N] float64, the weighted sum (+ overlong penalty)
+    per_reward: dict[str, torch.Tensor]  # name -> [N] unweighted values
+    texts: list[str]  # decoded completions
+    groups_sampled: int  # groups drawn, dynamic sampling's replacements included
+    sampling_s: float
+    reward_s: float
+
+
+def draw(model, tokenizer, prompts: list, group_size: int, sp, eos: set[int], seed_offset: int, *,
+         greedy: bool = False, entropy: bool = False) -> Samples:
+    """group_size completions of each prompt. Rollouts sample in sampling.dtype; greedy evaluation (and
+    "auto") at the model's own precision (dtype None), so measured accuracy never depends on a speed
+    setting."""
+    gen = None if greedy else torch.Generator().manual_seed(sp.seed * 1_000_003 + seed_offset)
+    dtype = None if greedy or sp.dtype == "auto" else DTYPES[sp.dtype]
+    return sample(model, [p.ids for p in prompts], group_size, sp.max_new_tokens, eos_ids=eos,
+                  pad_id=tokenizer.pad_token_id, generator=gen, temperature=0.0 if greedy else sp.temperature,
+                  top_k=sp.top_k, top_p=sp.top_p, stop=stop_string_check(tokenizer, list(sp.stop or [])), dtype=dtype,
+                  entropy=entropy and not greedy)
+
+
+def score(rewards: list, tokenizer, prompts: list, samples: Samples, max_new_tokens: int, overlong=None):
+    """(total [N] float64, per reward [N], decoded texts). Each reward sees TRL's signature
+    fn(prompts, completions, **columns); `overlong` ([grpo.overlong_penalty]) adds DAPO's soft penalty."""
+    texts = [tokenizer.decode(c, skip_special_tokens=True) for c in samples.completion_ids]
+    rows = [prompts[i] for i in samples.prompt_index]
+    columns = {k: [r.columns[k] for r in rows] for k in rows[0].columns}
+    per_reward, total = {}, torch.zeros(len(texts), dtype=torch.float64)
+    for reward in rewards:
+        values = torch.tensor(reward([r.text for r in rows], texts, columns), dtype=torch.float64)
+        per_reward[reward.name] = values
+        total += reward.weight * values
+    if overlong is not None:
+        lengths = torch.tensor([len(c) for c in samples.completion_ids])
+        per_reward["overlong_penalty"] = overlong_penalty(lengths, max_new_tokens, overlong.buffer_tokens,
+                                                          overlong.max_penalty)
+        total += per_reward["overlong_penalty"]
+    return total, per_reward, texts
+
+
+def collect(model, tokenizer, prompts: list, pool: list, rewards: list, g, eos: set[int], update: int, *,
+            entropy: bool = False) -> Rollouts:
+    """Sample and score one update's groups. With [grpo.dynamic_sampling], groups whose rewards are all
+    equal (no signal) are replaced by groups of prompts from `pool` not used in this update, up to
+    max_resample_factor draws."""
+    sp, G = g.sampling, g.group_size
+    t0 = time.perf_counter()
+    samples = draw(model, tokenizer, prompts, G, sp, eos, update, entropy=entropy)
+    t1 = time.perf_counter()
+    total, per_reward, texts = score(rewards, tokenizer, prompts, samples, sp.max_new_tokens, g.overlong_penalty)
+    out = Rollouts(list(prompts), samples, total, per_reward, texts, len(prompts), t1 - t0, time.perf_counter() - t1)
+    if g.dynamic_sampling is None:
+        return out
+    used = {id(p) for p in prompts}
+    for attempt in range(1, g.dynamic_sampling.max_resample_factor):
+        dead = zero_signal_groups(out.rewards, G).nonzero().flatten().tolist()
+        if not dead:
+            break
+        redo = _replacements([out.prompts[i] for i in dead], pool, used, sp.seed, update, attempt)
+        t0 = time.perf_counter()
+        more = draw(model, tokenizer, redo, G, sp, eos, update + RESAMPLE_SEED_STRIDE * attempt, entropy=entropy)
+        t1 = time.perf_counter()
+        r2, f2, x2 = score(rewards, tokenizer, redo, more, sp.max_new_tokens, g.overlong_penalty)
+        out.sampling_s += t1 - t0
+        out.reward_s += time.perf_counter() - t1
+        out.groups_sampled += len(redo)
+        for j, i in enumerate(dead):
+            out.prompts[i] = redo[j]
+            src, dst = slice(j * G, (j + 1) * G), slice(i * G, (i + 1) * G)
+            out.rewards[dst] = r2[src]
+            for k in out.per_reward:
+                out.per_reward[k][dst] = f2[k][src]
+            out.texts[dst] = x2[src]
+            for name in ("completion_ids", "behaviour_logprobs", "truncated", "entropies"):
+                mine, theirs = getattr(out.samples, name), getattr(more, name)
+                if mine is not None:
+                    mine[dst] = theirs[src]
+        out.samples.generated_tokens += more.generated_tokens
+    return out
+
+
+def _replacements(dead: list, pool: list, used: set[int], seed: int, update: int, attempt: int) -> list:
+    """Prompts to sample in place of `dead` ones: rows of `pool` not used in this update yet, drawn by a
+    generator seeded from the sampling seed, the update and the attempt (so a resumed run draws the
+    same). When the pool has too few unused rows, the rest re-draw their own prompt with a fresh seed."""
+    free = [r for r in pool if id(r) not in used]
+    rng = random.Random(f"{seed}:{update}:{attempt}")
+    picks = rng.sample(free, min(len(free), len(dead)))
+    used.update(id(r) for r in picks)
+    return picks + dead[len(picks):]
+
+
+def rollout_metrics(r: Rollouts, dead_groups: torch.Tensor) -> dict:
+    lengths = torch.tensor([len(c) for c in r.samples.completion_ids], dtype=torch.float64)
+    sampled_logp = [x for lp in r.samples.behaviour_logprobs for x in lp]
+    m = {"reward/mean": float(r.rewards.mean()), "reward/std": float(r.rewards.std()) if len(r.rewards) > 1 else 0.0,
+         "reward/min": float(r.rewards.min()), "reward/max": float(r.rewards.max()),
+         # "correct": reward above 0.5, retrain's convention (SEPA's correctness gate reads it)
+         "reward/correct_rate": float((r.rewards > 0.5).double().mean()),
+         "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+         "completions/max_length": float(lengths.max()),
+         "completions/truncation_fraction": sum(r.samples.truncated) / len(r.samples.truncated),
+         "batch/zero_std_group_fraction": float(dead_groups.double().mean()),
+         "batch/groups_sampled": r.groups_sampled,
+         "policy/entropy": -sum(sampled_logp) / max(1, len(sampled_logp)),
+         "time/sampling_s": r.sampling_s, "time/reward_s": r.reward_s,
+         "system/sampling_tokens_per_second": r.samples.generated_tokens / max(r.sampling_s, 1e-9)}
+    for name, v in r.per_reward.items():
+        m[f"reward/{name}/mean"] = float(v.mean())
+    return m
+
+
+class CompletionsLog:
+    """completions.jsonl in the run folder, every `every` updates; on resume the rows after the resumed
+    step (written after the last checkpoint) are dropped, so the file reads as one run."""
+
+    def __init__(self, run_dir: Path, step: int, every: int):
+        self.every = every
+        path = Path(run_dir) / "completions.jsonl"
+        if path.exists():
+            keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+            path.write_text("".join(line + "\n" for line in keep))
+        self.file = path.open("a", encoding="utf-8")
+
+    def write(self, step: int, r: Rollouts, advantages: torch.Tensor) -> None:
+        if not self.every or step % self.every:
+            return
+        for i, text in enumerate(r.texts):
+            row = {"step": step, "prompt": r.prompts[r.samples.prompt_index[i]].text, "completion": text,
+                   "reward": float(r.rewards[i]), "advantage": float(advantages[i]),
+                   "tokens": len(r.samples.completion_ids[i]), "truncated": r.samples.truncated[i]}
+            self.file.write(json.dumps(row, ensure_ascii=False) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def greedy_rewards(model, tokenizer, prompts: list, rewards: list, g, eos: set[int], chunk: int = 16) -> dict:
+    """Mean reward of greedy completions of `prompts` ({"mean_reward": m, "<reward name>": mean}):
+    GRPO's held-out evaluation, in training and in `retrograd eval`."""
+    total, per, n = 0.0, {}, 0
+    for i in range(0, len(prompts), chunk):
+        rows = prompts[i:i + chunk]
+        samples = draw(model, tokenizer, rows, 1, g.sampling, eos, 0, greedy=True)
+        values, per_reward, _ = score(rewards, tokenizer, rows, samples, g.sampling.max_new_tokens, g.overlong_penalty)
+        total += float(values.sum())
+        n += len(rows)
+        for k, v in per_reward.items():
+            per[k] = per.get(k, 0.0) + float(v.sum())
+    return {"mean_reward": total / max(1, n), **{k: v / max(1, n) for k, v in per.items()}}

@@ -1,0 +1,248 @@
+"""The building blocks every training loop calls, explicitly and in this order:
+
+    resume_path = resolve_resume(cfg, resume)       before the slow model load: a wrong path fails at once
+    run = start_run(cfg, log, cpu_pass_tokens)       threads, device, seed, model (+ LoRA), optimizer
+    meta = run_meta(...)                             what a checkpoint records (train/checkpointing.py)
+    check_resumable(resume_path, meta)               the checkpoint belongs to this run, files intact
+    progress = restore(run, resume_path)             weights, optimizer, RNGs and the loop's progress
+    metrics = open_metrics(run, total, progress)     the run folder, metrics.jsonl (+ TensorBoard, W&B)
+      ... the loop: lr_for(...), optimizer_step(...), evaluation_due(...), record_eval(...),
+          save_checkpoint(...) ...
+    result = finish(run, metrics, progress, ...)     [output].path always written, metrics closed
+
+They own no loop: train/offline.py (SFT, preference) and train/grpo.py (RL) each read top to bottom.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from retrograd.algorithms.optim import build_optimizer
+from retrograd.algorithms.schedule import lr_at
+from retrograd.checkpoint import state as ckpt
+from retrograd.config.load import config_as_dict, output_kind
+from retrograd.device import configure_torch, pick_device
+from retrograd.errors import CheckpointError, ConfigError
+from retrograd.export.gguf_lora import check_exportable, write_gguf_lora
+from retrograd.metrics import MetricsLogger
+from retrograd.models.adapter_io import adapter_layout, apply_adapter, read_spec
+from retrograd.models.architectures import ARCHS as GGUF_ARCHS
+from retrograd.models.load import load_model
+from retrograd.models.lora import attach_lora
+from retrograd.train import checkpointing as io
+from retrograd.train.common import prepare_run_dir, save_output, seed_everything
+
+
+@dataclass
+class TrainResult:
+    step: int
+    stopped_by: str  # "done" | "patience" | "signal" | "stalled"
+    output: Path
+    exit_code: int = 0
+    last_eval_loss: float | None = None
+
+
+@dataclass
+class Run:
+    """What a loop trains and with what: built by start_run."""
+    cfg: object
+    model: object
+    tokenizer: object
+    device: object
+    loaded: object  # models.load.LoadedModel
+    params: list  # the trainable parameters, in model order
+    optimizer: object
+    lora_modules: list | None
+    pass_tokens: int | None  # token budget of one forward/backward pass
+    log: Callable
+    gguf_copies: bool = False  # write a llama.cpp .gguf beside each LoRA checkpoint
+    run_dir: Path | None = None
+
+
+def init_adapter_resume_message(adapter: str) -> str:
+    msg = (f"--resume cannot be combined with lora.init_adapter = {adapter!r}: a checkpoint already holds the "
+           "adapter it continues from, while init_adapter starts a new run from an adapter's weights.")
+    try:
+        spec = read_spec(adapter)
+        msg += (f" To resume, replace init_adapter in [lora] by the values it set: rank = {spec.rank}, "
+                f"alpha = {spec.alpha}, and the targets the run logged.")
+    except Exception:  # the advice is optional; the refusal is the point
+        pass
+    return msg
+
+
+def resolve_resume(cfg, resume: str | None) -> str | None:
+    """--resume / checkpoint.resume_from -> a checkpoint path (checked to have a manifest), or None for
+    a fresh run (refused when the checkpoint folder already holds another run's checkpoints)."""
+    ck = cfg.checkpoint
+    resume_path = resume or (ck.resume_from if ck else None)
+    if resume_path and cfg.lora is not None and cfg.lora.init_adapter:
+        raise CheckpointError(init_adapter_resume_message(cfg.lora.init_adapter))
+    if resume_path == "latest":
+        if ck is None:
+            raise CheckpointError("--resume needs a [checkpoint] table (its directory is where to look), "
+                                  "or give the checkpoint path: --resume PATH")
+        resume_path = str(ckpt.find_resume(Path(ck.directory)))
+    if resume_path:
+        ckpt.read_manifest(Path(resume_path))
+    elif ck is not None and (ckpt.list_steps(Path(ck.directory)) or (Path(ck.directory) / "best.state").exists()):
+        raise CheckpointError(f"{ck.directory} already holds checkpoints of an earlier run; continue it with "
+                              "--resume, or move that folder away (or set checkpoint.directory) to start afresh")
+    return resume_path
+
+
+def check_output_writable(cfg) -> None:
+    """A GGUF model from an HF-folder base is written from its config + tokenizer: check both can be
+    expressed before any training happens (a GGUF base keeps its own metadata, nothing to check)."""
+    if output_kind(cfg) != "model" or not cfg.output.path.endswith(".gguf"):
+        return
+    folder = Path(cfg.model.path)
+    if not (folder / "config.json").is_file():
+        return  # a GGUF file, the built-in model, or a hub name resolved at load time
+    from transformers import AutoConfig, AutoTokenizer
+    from retrograd.export.gguf_from_hf import check_hf_gguf
+    try:
+        check_hf_gguf(AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder))
+    except ConfigError as e:
+        raise ConfigError(f"{cfg.source}: output {cfg.output.path!r}: {e}") from None
+
+
+def prepare_model(cfg, log):
+    """Load the base model, attach (or initialise) the LoRA; returns (cfg, loaded, model, modules)."""
+    tr = cfg.training
+    loaded = load_model(cfg.model.path, cfg.model.dtype, log=log)
+    model, modules = loaded.model, None
+    if tr.trainable == "lora":
+        lc = cfg.lora
+        if lc.init_adapter:
+            # rank, alpha and targets come from the adapter; recorded as the run's settings
+            spec = adapter_layout(lc.init_adapter, model)
+            lc = dataclasses.replace(lc, rank=spec.rank, alpha=spec.alpha, targets=spec.modules)
+            cfg = dataclasses.replace(cfg, lora=lc)
+        model, modules = attach_lora(model, lc.rank, lc.alpha, lc.targets, lc.dropout, lc.seed)
+        if lc.init_adapter:
+            apply_adapter(lc.init_adapter, model)
+            log(f"LoRA initialised from {lc.init_adapter} (weights only, fresh optimizer)")
+        log(f"LoRA r={lc.rank} alpha={lc.alpha} on {', '.join(modules)}")
+        if output_kind(cfg) == "adapter":
+            check_exportable(model.config, cfg.lora.targets)  # refuse now, not after training
+    if tr.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return cfg, loaded, model, modules
+
+
+def start_run(cfg, log, cpu_pass_tokens: int = 512) -> Run:
+    """Threads, device and seeds set; the model (+ LoRA) loaded, on its device, in train mode; the
+    optimizer built over its trainable parameters. `cpu_pass_tokens` is the algorithm's default
+    pass budget on CPU (training.micro_batch overrides it; no split on GPU)."""
+    tr, ck = cfg.training, cfg.checkpoint
+    check_output_writable(cfg)
+    configure_torch(tr.threads)
+    device = pick_device(cfg.model.device)
+    seed_everything(tr.seed)
+    cfg, loaded, model, modules = prepare_model(cfg, log)
+    gguf_copies = tr.trainable == "lora" and ck is not None and model.config.model_type in GGUF_ARCHS
+    if tr.trainable == "lora" and ck is not None and not gguf_copies:
+        log(f"note: no .gguf copies beside checkpoints: llama.cpp adapters are written for "
+            f"{', '.join(GGUF_ARCHS)} models, not {model.config.model_type!r}")
+    model.to(device).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    n_train, n_all = sum(p.numel() for p in params), sum(p.numel() for p in model.parameters())
+    log(f"model {loaded.source}: {n_all:,} parameters, {n_train:,} trainable ({tr.trainable})")
+    pass_tokens = tr.micro_batch or (cpu_pass_tokens if device.type == "cpu" else None)
+    return Run(cfg, model, loaded.tokenizer, device, loaded, params, build_optimizer(params, tr), modules,
+               pass_tokens, log, gguf_copies)
+
+
+def fresh_progress() -> dict:
+    return {"step": 0, "epoch": 0, "cursor": 0, "best_eval": None, "stale_evals": 0, "tokens_seen": 0}
+
+
+def check_resumable(resume_path: str | None, meta: dict) -> None:
+    """Refuse a checkpoint whose files are damaged or that belongs to another run (names what differs)."""
+    if resume_path:
+        io.check_resumable(Path(resume_path), meta)
+
+
+def restore(run: Run, resume_path: str | None) -> dict:
+    """The loop's progress: fresh, or read from a checkpoint (checked first with check_resumable),
+    with weights, optimizer state and every RNG restored in place."""
+    if not resume_path:
+        return fresh_progress()
+    return io.load_training_state(Path(resume_path), run.model, run.optimizer, run.device)
+
+
+def open_metrics(run: Run, total_steps: int, progress: dict) -> MetricsLogger:
+    """The run folder (with the resolved config) and the metrics sinks, continuing a resumed run's file."""
+    cfg = run.cfg
+    run.run_dir = prepare_run_dir(cfg)
+    return MetricsLogger(run.run_dir, total_steps, tensorboard_dir=cfg.metrics.tensorboard_dir,
+                         wandb_export_dir=cfg.metrics.wandb_export_dir, config=config_as_dict(cfg),
+                         run_name=cfg.run.name, log_every=cfg.metrics.log_every, resume_step=progress["step"])
+
+
+def lr_for(run: Run, step: int, total_steps: int) -> float:
+    """Set and return this step's learning rate (a pure function of the step)."""
+    tr = run.cfg.training
+    lr = lr_at(step, total_steps, tr.lr, tr.lr_scheduler, tr.warmup_steps)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def schedule_state(run: Run, total_steps: int, lr: float) -> dict:
+    """The LR schedule as saved in progress (it is recomputed from the step; this makes it readable)."""
+    tr = run.cfg.training
+    return {"kind": tr.lr_scheduler, "peak_lr": tr.lr, "warmup_steps": tr.warmup_steps, "total_steps": total_steps,
+            "last_lr": lr}
+
+
+def evaluation_due(ev, step: int, total_steps: int, epoch_done: bool = False, epoch: int = 0) -> bool:
+    """[evaluation] every_steps / every_iterations (epochs) / at each epoch's end, and always at the last step."""
+    if ev is None:
+        return False
+    return (step == total_steps or (ev.every_steps and step % ev.every_steps == 0)
+            or (ev.every_iterations and epoch_done and epoch % ev.every_iterations == 0)
+            or (not ev.every_steps and not ev.every_iterations and epoch_done))
+
+
+def record_eval(progress: dict, value: float, higher_is_better: bool, min_delta: float) -> bool:
+    """Track the best evaluation and the evaluations without improvement; True when `value` improved."""
+    best = progress["best_eval"]
+    improved = best is None or (value > best + min_delta if higher_is_better else value < best - min_delta)
+    if improved:
+        progress["best_eval"], progress["stale_evals"] = value, 0
+    else:
+        progress["stale_evals"] += 1
+    return improved
+
+
+def save_checkpoint(run: Run, name: str, progress: dict, meta: dict) -> None:
+    """A .state checkpoint in [checkpoint].directory, and a llama.cpp .gguf copy beside a LoRA's."""
+    ck = run.cfg.checkpoint
+    io.save_training_state(Path(ck.directory), name, run.model, run.optimizer, progress, meta)
+    if run.gguf_copies:
+        from peft import get_peft_model_state_dict
+        write_gguf_lora(Path(ck.directory) / name.replace(".state", ".gguf"), get_peft_model_state_dict(run.model),
+                        run.cfg.lora.alpha, run.model.config, run.cfg.lora.dtype)
+
+
+STOP_STATUS = {"done": "finished", "patience": "early_stopped", "signal": "stopped", "stalled": "stalled"}
+
+
+def finish(run: Run, metrics: MetricsLogger, progress: dict, stopped_by: str, exit_code: int,
+           last_eval: float | None, reason: str = "") -> TrainResult:
+    """Say why the run ended, write [output].path (always, also after an early stop) and close the sinks."""
+    step, cfg = progress["step"], run.cfg
+    if stopped_by == "patience":
+        metrics.print(f"early stop at step {step}: no eval improvement in {cfg.evaluation.patience} evaluations")
+    elif stopped_by == "stalled":
+        metrics.print(f"stopped at step {step}: {reason}")
+    elif stopped_by == "signal":
+        metrics.print(f"stopped at step {step}" + ("; continue with --resume" if cfg.checkpoint else ""))
+    out = save_output(run.model, run.tokenizer, cfg)
+    metrics.print(f"wrote {out}")
+    metrics.close(STOP_STATUS[stopped_by])
+    return TrainResult(step, stopped_by, out, exit_code, last_eval)
