@@ -1,30 +1,35 @@
-"""GRPO LoRA seconds per update and its split: retrograd vs TRL's GRPOTrainer, side by side.
+"""GRPO LoRA seconds per update: retrograd vs TRL's GRPOTrainer, interleaved and checked.
 
 A by-hand benchmark, not a test. Same model, prompts and settings on both sides:
 
   model       SmolLM2-135M-Instruct, retrograd's built-in GGUF (Q4_1, de-quantized to fp32)
   LoRA        r=8, alpha=16, dropout 0, q_proj, k_proj, v_proj, o_proj
-  update      4 prompts x 4 completions, at most 32 new tokens, temperature 1.0, one optimizer step;
-              loss normalised over tokens (TRL's default loss_type "dapo"; retrograd
-              loss_normalisation = "token"), no KL (beta 0: no reference pass), lr 1e-4 constant
+  update      4 prompts x 4 completions, at most 32 new tokens, temperature 1.0, top-p 1, top-k off,
+              one optimizer step, lr 1e-4 constant. The objective is set explicitly on both sides:
+              TRL loss_type "dapo", scale_rewards "none", beta 0, epsilon 0.2, epsilon_high 0.28,
+              num_iterations 1, token-level ratios; retrograd loss_normalisation "token", advantage
+              grpo (r - group mean), clip 0.2 / 0.28, kl_coefficient 0, grpo_epochs 1
   prompts     "What is a + b? Reply with only the number." (32 of them, seed 0); reward 1 when the
               last integer of the completion is a + b, minus 0.001 per character beyond the first (a
               tie-breaker, so every group has a learning signal and both sides train on all 16
               completions; retrograd leaves groups with equal rewards out of the step, TRL does not)
-  precision   all fp32 on both sides; then model weights in bf16 on both sides (retrograd [model]
-              dtype = "bfloat16", whose sampler then runs bf16 matmuls too; TRL
-              model.to(torch.bfloat16)); then TRL at its own default, GRPOConfig(bf16=True): fp32
-              weights under bf16 autocast. The published TRL baseline is the fp32 run. In every bf16
-              run the LoRA weights and Adam state are float32 on both sides.
-  other       no gradient checkpointing, 2 threads, seed 0; TRL generates with transformers'
-              generate (no vLLM), retrograd with its own sampler
+  precision   fp32 on both sides, then model weights in bf16 on both sides (retrograd [model] dtype =
+              "bfloat16", whose sampler then runs bf16 matmuls too; TRL model.to(torch.bfloat16)); the
+              LoRA weights and Adam state stay float32 on both sides
+  other       no gradient checkpointing, 2 threads, seed 0; TRL generates with transformers' generate
+              (no vLLM), retrograd with its own sampler
 
-Reported: seconds per update (mean of updates 2+), its split (sampling / reward / training), peak
-RSS, sampling tokens per second, and the share of this machine's fp32 matmul throughput (measured in
-the same script with a plain torch matmul) that sampling and training reach.
+Fairness: the two sides run in separate processes, interleaved (rg, TRL, rg, TRL, ...; --repeats
+each, default 3) with the load average recorded before each; reported is the median over the
+repeats of each run's mean seconds per update (updates 2+), with the spread (min-max). The script
+checks, update by update, that each side's logged loss is the objective above recomputed from its
+own completions (rewards and token counts): -sum_i A_i n_i / sum_i n_i at ratio 1, within 1e-4 --
+and that both sides trained all 16 completions of every update; it stops if either check fails.
+Also reported: the split (sampling / reward / training), sampling tokens/s, peak RSS, and this
+machine's matmul throughput (fp32 and bf16, measured in the script).
 
     pip install -e '.[bench]'
-    python benchmarks/bench_grpo.py [--steps 6] [--out bench_out]
+    python benchmarks/bench_grpo.py [--steps 6] [--repeats 3] [--out benchmarks/results]
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ import json
 import os
 import random
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -104,8 +110,14 @@ updates = {args.steps}
 prompts_per_update = {PROMPTS}
 group_size = {GENS}
 loss_normalisation = "token"
+advantage_mode = "grpo"
+policy_loss = "clip"
+clip_range_low = 0.2
+clip_range_high = 0.28
+kl_coefficient = 0.0
+grpo_epochs = 1
 prompt_order = "sequential"
-log_completions_every = 0
+log_completions_every = 1
 rewards = [{{ type = "match", extract = "last_number" }}, {{ type = "length", target = 1, penalty = 0.001 }}]
 [grpo.sampling]
 max_new_tokens = {MAX_NEW}
@@ -121,13 +133,20 @@ dtype = "auto"
     train_grpo(cfg, log=lambda m: (events.append(str(m)), print(m, flush=True)))
     rows = [json.loads(x) for x in (work / "run" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "reward/mean" in r]
+    # the objective recomputed from the logged completions: -sum A_i n_i / sum n_i (ratio 1, token mean)
+    logged = [json.loads(x) for x in (work / "run" / "completions.jsonl").read_text().splitlines()]
+    expected, trained = [], []
+    for r in rows:
+        step = [c for c in logged if c["step"] == r["step"]]
+        expected.append(-sum(c["advantage"] * c["tokens"] for c in step) / sum(c["tokens"] for c in step))
+        trained.append(round(len(step) * (1 - r["batch/zero_std_group_fraction"])))
     from retrograd.models.load import load_model
     n = matmul_params(load_model(args.gguf, log=lambda *_: None).model)
     return {"step_s": [r["system/step_seconds"] for r in rows], "sampling_s": [r["time/sampling_s"] for r in rows],
             "reward_s": [r["time/reward_s"] for r in rows], "training_s": [r["time/training_s"] for r in rows],
             "sampled_tokens": [r["completions/mean_length"] * PROMPTS * GENS for r in rows],
             "trained_tokens": [r["train/tokens"] for r in rows], "reward": [r["reward/match/mean"] for r in rows],
-            "groups_skipped": [r["batch/zero_std_group_fraction"] for r in rows],
+            "loss": [r["train/loss"] for r in rows], "expected_loss": expected, "trained_completions": trained,
             "matmul_params": n}
 
 
@@ -148,12 +167,16 @@ def worker_trl(args) -> dict:
         return original(self, duration)
     prof.ProfilingContext._log_metrics = capture
 
-    def reward(completions, answer, **kw):
+    calls = []  # per update: (total reward, completion tokens) of each completion, in order
+
+    def reward(completions, answer, completion_ids=None, **kw):
         out = []
         for c, a in zip(completions, answer):
             text = c[-1]["content"] if isinstance(c, list) else c
             nums = re.findall(r"-?\d+", text.replace(",", ""))
             out.append(1.0 if nums and int(nums[-1]) == int(a) else 0.0)
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        calls.append([(r - 0.001 * max(0, len(t) - 1), len(ids)) for r, t, ids in zip(out, texts, completion_ids)])
         return out
 
     def length(completions, **kw):  # retrograd's `length` reward with target 1, penalty 0.001
@@ -176,9 +199,13 @@ def worker_trl(args) -> dict:
             self.step_s.append(time.perf_counter() - self._t)
 
     timer = StepTimer()
+    # every option that sets the objective, explicitly (TRL's defaults differ: scale_rewards="group",
+    # epsilon_high = epsilon)
     cfg = GRPOConfig(output_dir=str(Path(args.work) / "trl_out"), max_steps=args.steps,
                      per_device_train_batch_size=PROMPTS * GENS, num_generations=GENS, gradient_accumulation_steps=1,
-                     max_completion_length=MAX_NEW, temperature=1.0, learning_rate=LR,
+                     max_completion_length=MAX_NEW, temperature=1.0, top_p=1.0, top_k=0, learning_rate=LR,
+                     loss_type="dapo", scale_rewards="none", beta=0.0, epsilon=0.2, epsilon_high=0.28,
+                     num_iterations=1, importance_sampling_level="token", mask_truncated_completions=False,
                      bf16=args.worker == "trl_amp", fp16=False,
                      gradient_checkpointing=False, logging_steps=1, report_to="none", save_strategy="no",
                      use_cpu=True, dataloader_num_workers=0, seed=SEED, lr_scheduler_type="constant",
@@ -191,24 +218,67 @@ def worker_trl(args) -> dict:
     logs = [x for x in trainer.state.log_history if "reward" in x]
     gen = spans.get("GRPOTrainer.transformers.generate", [])
     rew = spans.get("GRPOTrainer._calculate_rewards") or [0.0] * len(gen)
+    expected = []
+    for call in calls:
+        total = [t for t, _ in call]
+        adv = [t - sum(total[g:g + GENS]) / GENS for g in range(0, len(total), GENS) for t in total[g:g + GENS]]
+        expected.append(-sum(a * n for a, (_, n) in zip(adv, call)) / sum(n for _, n in call))
     return {"step_s": timer.step_s, "sampling_s": gen, "reward_s": rew,
             "training_s": [t - g - r for t, g, r in zip(timer.step_s, gen, rew)],
             "sampled_tokens": [x.get("completions/mean_length", 0) * PROMPTS * GENS for x in logs],
-            "reward": [x.get("rewards/reward/mean", x.get("reward")) for x in logs], "spans": {k: v for k, v in spans.items()}}
+            "reward": [x.get("rewards/reward/mean", x.get("reward")) for x in logs],
+            "loss": [x["loss"] for x in logs], "expected_loss": expected,
+            "trained_completions": [len(c) for c in calls], "spans": {k: v for k, v in spans.items()}}
 
-KINDS = ("retrograd", "trl", "retrograd_bf16", "trl_bf16", "trl_amp")
+
+PAIRS = (("retrograd", "trl"), ("retrograd_bf16", "trl_bf16"))
 WORKERS = {"prepare": worker_prepare, "retrograd": worker_retrograd, "retrograd_bf16": worker_retrograd,
            "trl": worker_trl, "trl_bf16": worker_trl, "trl_amp": worker_trl}
+LOSS_TOLERANCE = 1e-4
 
 
 def spawn(kind: str, tmp: Path, steps: int, data: Path, gguf: str = "") -> dict:
-    return bench_sft.spawn(kind, tmp, steps, data, gguf, script=__file__)
+    tmp.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()
+    out = bench_sft.spawn(kind, tmp, steps, data, gguf, script=__file__)
+    out["load_average_before"] = load
+    return out
+
+
+def check_same_work(kind: str, r: dict, steps: int) -> None:
+    """Fail loudly unless every update trained all completions on the stated objective."""
+    if len(r["loss"]) != steps or len(r["expected_loss"]) != steps:
+        raise SystemExit(f"bench_grpo: {kind} logged {len(r['loss'])} losses for {steps} updates")
+    for step, (got, want) in enumerate(zip(r["loss"], r["expected_loss"]), 1):
+        if abs(got - want) > LOSS_TOLERANCE * max(1.0, abs(want)):
+            raise SystemExit(f"bench_grpo: {kind} update {step}: logged loss {got:.6f}, but its own completions give "
+                             f"{want:.6f}: the two sides do not optimise the same objective")
+    if any(n != PROMPTS * GENS for n in r["trained_completions"]):
+        raise SystemExit(f"bench_grpo: {kind} did not train all {PROMPTS * GENS} completions of every update: "
+                         f"{r['trained_completions']}")
+
+
+def bf16_matmul_gflops() -> float:
+    import torch
+    torch.set_num_threads(THREADS)
+    a, b = torch.randn(1024, 576, dtype=torch.bfloat16), torch.randn(576, 1536, dtype=torch.bfloat16)
+    for _ in range(5):
+        a @ b
+    n, t = 50, time.perf_counter()
+    for _ in range(n):
+        a @ b
+    return 2 * 1024 * 576 * 1536 * n / (time.perf_counter() - t) / 1e9
+
+
+def median_spread(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=int(os.environ.get("STEPS", 6)))
-    p.add_argument("--out", default="bench_out")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each side per precision, interleaved (>= 3)")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     for internal in ("--work", "--data", "--gguf", "--result"):
         p.add_argument(internal, help=argparse.SUPPRESS)
@@ -220,46 +290,59 @@ def main() -> None:
         return
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    peak = matmul_gflops()
-    results = {}
+    peak, peak_bf16 = matmul_gflops(), bf16_matmul_gflops()
+    runs: dict[str, list[dict]] = {k: [] for pair in PAIRS for k in pair}
     with tempfile.TemporaryDirectory(prefix="bench_grpo-") as tmp_name:
         tmp = Path(tmp_name)
         data = tmp / "prompts.jsonl"
         write_prompts(data)
-        prep = spawn("prepare", tmp, args.steps, data)
-        for kind in KINDS:
-            results[kind] = spawn(kind, tmp, args.steps, data, prep["gguf"])
-    n_matmul = results["retrograd"]["matmul_params"]
+        prep = spawn("prepare", tmp / "prepare", args.steps, data)
+        for pair in PAIRS:  # A B A B ...: drift of the machine hits both sides alike
+            for i in range(args.repeats):
+                for kind in pair:
+                    r = spawn(kind, tmp / f"{kind}-{i}", args.steps, data, prep["gguf"])
+                    check_same_work(kind, r, args.steps)
+                    runs[kind].append(r)
+    n_matmul = runs["retrograd"][0]["matmul_params"]
     summary = {}
-    for kind, r in results.items():
-        k = slice(1, None)  # update 1 is warm-up
+    for kind, rs in runs.items():
+        per_run = []
+        for r in rs:
+            k = slice(1, None)  # update 1 is warm-up
 
-        def mean(key):
-            v = r[key][k]
-            return sum(v) / len(v)
-        sampling_tps = sum(r["sampled_tokens"][k]) / sum(r["sampling_s"][k])
-        summary[kind] = {"s_per_update": mean("step_s"), "sampling_s": mean("sampling_s"), "reward_s": mean("reward_s"),
-                         "training_s": mean("training_s"), "sampling_tokens_per_s": sampling_tps,
-                         "sampling_share_of_matmul_peak": sampling_tps * 2 * n_matmul / 1e9 / peak,
-                         "peak_rss_mb": max(r["process_peak_rss_mb"], r["worker_peak_rss_mb"]),
-                         "mean_match_reward": sum(r["reward"]) / len(r["reward"])}
+            def mean(key):
+                return sum(r[key][k]) / len(r[key][k])
+            tps = sum(r["sampled_tokens"][k]) / sum(r["sampling_s"][k])
+            per_run.append({"s_per_update": mean("step_s"), "sampling_s": mean("sampling_s"), "reward_s": mean("reward_s"),
+                            "training_s": mean("training_s"), "sampling_tokens_per_s": tps,
+                            "sampling_share_of_matmul_peak": tps * 2 * n_matmul / 1e9 / (peak_bf16 if "bf16" in kind else peak),
+                            "peak_rss_mb": max(r["process_peak_rss_mb"], r["worker_peak_rss_mb"])})
+        summary[kind] = {key: dict(zip(("median", "min", "max"), median_spread([x[key] for x in per_run])))
+                         for key in per_run[0]}
+        summary[kind]["mean_match_reward"] = statistics.mean(x for r in rs for x in r["reward"])
     print(f"\nGRPO LoRA r={LORA_R} q,k,v,o | SmolLM2-135M | {PROMPTS} prompts x {GENS} completions x <= {MAX_NEW} "
-          f"tokens | {args.steps} updates (mean of 2+) | {THREADS} threads | fp32 matmul peak {peak:.0f} GFLOP/s")
-    print("fp32: everything in float32 on both sides; bf16: model weights in bfloat16 on both sides "
-          "(retrograd [model] dtype = \"bfloat16\", TRL model.to(bfloat16)); TRL amp: TRL's default "
-          "GRPOConfig(bf16=True), fp32 weights under bf16 autocast")
-    fmt = "{:<30}" + " {:>9}" * 10
-    print(fmt.format("", "rg fp32", "TRL fp32", "ratio", "rg bf16", "TRL bf16", "ratio", "TRL amp", "rg16/amp",
-                     "rg16/fp32", ""))
-    rg, trl, rb, tb, ta = (summary[k] for k in KINDS)
-    for key in rg:
-        def ratio(a, b):
-            return f"{a[key] / b[key]:.2f}x" if b[key] else ""
-        print(fmt.format(key, f"{rg[key]:.3f}", f"{trl[key]:.3f}", ratio(rg, trl), f"{rb[key]:.3f}", f"{tb[key]:.3f}",
-                         ratio(rb, tb), f"{ta[key]:.3f}", ratio(rb, ta), ratio(rb, trl), ""))
-    write_json(out_dir / "result_grpo.json", {"summary": summary, "raw": results, "matmul_gflops": peak,
-                                              "versions": versions(), "cpu": cpu_model()})
-    print(f"wrote {out_dir / 'result_grpo.json'}")
+          f"tokens | {args.steps} updates (mean of 2+), median of {args.repeats} interleaved runs (min-max) | "
+          f"{THREADS} threads | {cpu_model()} | matmul fp32 {peak:.0f}, bf16 {peak_bf16:.0f} GFLOP/s")
+    ratios = {}
+    for rg, trl in PAIRS:
+        print(f"\n{rg} vs {trl}")
+        for key in summary[rg]:
+            if key == "mean_match_reward":
+                continue
+            a, b = summary[rg][key], summary[trl][key]
+            lower_is_better = key in ("s_per_update", "sampling_s", "reward_s", "training_s", "peak_rss_mb")
+            ratio = (b["median"] / a["median"] if lower_is_better else a["median"] / b["median"]) \
+                if a["median"] and b["median"] else float("nan")
+            ratios[f"{rg}/{key}"] = ratio
+            print(f"  {key:<32} {a['median']:9.3f} ({a['min']:.3f}-{a['max']:.3f})   {b['median']:9.3f} "
+                  f"({b['min']:.3f}-{b['max']:.3f})   {ratio:5.2f}x")
+    print("\n(ratios: how many times faster / smaller retrograd is; the losses of every update matched their "
+          f"objective within {LOSS_TOLERANCE} and both sides trained all {PROMPTS * GENS} completions)")
+    name = out_dir / f"grpo_{time.strftime('%Y%m%d_%H%M%S')}.json"
+    write_json(name, {"summary": summary, "ratios": ratios, "raw": runs, "matmul_gflops": peak,
+                      "matmul_gflops_bf16": peak_bf16, "versions": versions(), "cpu": cpu_model(),
+                      "steps": args.steps, "repeats": args.repeats})
+    print(f"wrote {name}")
 
 
 if __name__ == "__main__":

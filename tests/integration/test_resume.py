@@ -1,6 +1,7 @@
 """Resume is exact: N steps straight == N/2, SIGKILL, --resume, N/2 (weights bit for bit, same
 logged losses), also mid-epoch with shuffling and dropout on; mismatches and corruption refused."""
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -163,7 +164,10 @@ def test_full_fine_tune_resume_is_bit_exact(tmp_path, tiny_model, cli):
     proc = cli("train", cfg, "--resume")
     assert proc.returncode == 2 and "no complete checkpoint" in proc.stderr
     cli("train", cfg, check=0)
-    cli("train", cfg, "--resume", b / "ckpt" / "step-000000000005.state", check=0)
+    # the resumed run must write the model itself: remove what the straight run left there
+    shutil.rmtree(b / "out")
+    proc = cli("train", cfg, "--resume", b / "ckpt" / "step-000000000005.state", check=0)
+    assert "at step 5" in proc.stdout and (b / "out" / "adapter" / "config.json").is_file()
     wa = load_file(a / "out" / "adapter" / "model.safetensors")
     wb = load_file(b / "out" / "adapter" / "model.safetensors")
     assert_bit_identical(wa, wb)

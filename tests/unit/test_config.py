@@ -154,3 +154,43 @@ def test_export_refuses_an_existing_target_and_a_full_disk(tmp_path, monkeypatch
     monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(100, 90, 10))
     with pytest.raises(ConfigError, match="not enough disk space"):
         _check_target(tmp_path / "new", False, 10_000_000)
+
+
+GRPO = """
+[run]
+algorithm = "grpo"
+[model]
+path = "smollm2-135m-instruct"
+[output]
+path = "out/adapter"
+[grpo]
+prompts = "builtin:arithmetic"
+rewards = [{ type = "match" }]
+"""
+
+
+@pytest.mark.parametrize("transform", ["none", "gtpo", "gtpo_hicra", "gtpo_sepa", "gtpo_sepa_amp_c", "entropy_mask",
+                                       "delight", "delight_sepa", "hard_delight"])
+def test_resolved_grpo_config_round_trips(tmp_path, transform):
+    """The run folder's config.toml (the resolved config) loads back to the same resolved settings,
+    sub-tables with unset (None) keys included."""
+    from retrograd.config.load import dump_toml
+    cfg = load_config(write(tmp_path, GRPO), [f"grpo.transform_mode={transform}", "grpo.advantage_mode=maxrl"])
+    again = load_config(write(tmp_path, dump_toml(cfg)))
+    assert trajectory_settings(again) == trajectory_settings(cfg)
+    assert again.grpo.transform_mode == transform and again.grpo.advantage_mode == "maxrl"
+
+
+def test_grpo_synonyms_and_recipes_resolve_to_modes(tmp_path):
+    g = lambda *o: load_config(write(tmp_path, GRPO), list(o)).grpo  # noqa: E731
+    assert (g().advantage_mode, g().transform_mode, g().uncertainty_kind) == ("grpo", "none", None)
+    assert g('grpo.baseline="rloo"').advantage_mode == "rloo"
+    assert g('grpo.scale_rewards="std"').advantage_mode == "grpo_std"
+    r = g('grpo.algorithm_mode="maxrl_gtpo_sepa"')
+    assert (r.advantage_mode, r.transform_mode) == ("maxrl", "gtpo_sepa")
+    assert r.sepa == {"steps": 500, "schedule": "linear", "delay_steps": 50, "correct_rate_gate": 0.1}
+    assert r.gtpo == {"beta": 0.1} and r.hicra is None and r.planning["detector"] == "regex"
+    assert g('grpo.importance_sampling_level="sequence"').policy_loss == "gspo"
+    assert g('grpo.policy_loss="ppo"').policy_loss == "clip"  # an alias, stored by its name
+    assert g('grpo.policy_loss="sapo"').policy_loss_params == {"tau_pos": 1.0, "tau_neg": 1.05}
+    assert g('grpo.uncertainty_kind="entropy"', 'grpo.transform_mode="gtpo"').uncertainty_kind == "shannon_entropy"

@@ -34,6 +34,29 @@ def test_logprobs_equal_a_teacher_forced_forward(tiny_model, common_prefix):
         assert max(abs(a - b) for a, b in zip(forced, s.behaviour_logprobs[i])) < 1e-5
 
 
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 5)])
+def test_entropies_are_those_of_the_sampled_distribution(tiny_model, temperature, top_k):
+    """entropy=True: per sampled token, -sum p log p of the distribution it was drawn from
+    (temperature and top-k applied), computed here from a teacher-forced forward; the draws are
+    the same as without it."""
+    model, tok, prompts = _setup(tiny_model)
+    kw = dict(eos_ids={tok.eos_token_id}, pad_id=tok.pad_token_id, temperature=temperature, top_k=top_k)
+    s = sample(model, prompts, 2, 8, generator=torch.Generator().manual_seed(3), entropy=True, **kw)
+    plain = sample(model, prompts, 2, 8, generator=torch.Generator().manual_seed(3), **kw)
+    assert s.completion_ids == plain.completion_ids and plain.entropies is None
+    for i, c in enumerate(s.completion_ids):
+        p = prompts[s.prompt_index[i]]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1:len(p) - 1 + len(c)].float() / temperature
+        if top_k:
+            kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, -1)
+        want = [-sum(float(q) * math.log(float(q)) for q in row if q > 0) for row in probs]
+        assert len(s.entropies[i]) == len(c)
+        assert max(abs(a - b) for a, b in zip(want, s.entropies[i])) < 1e-4
+
+
 def test_same_seed_same_completions_and_greedy(tiny_model):
     model, tok, prompts = _setup(tiny_model)
     kw = dict(eos_ids={tok.eos_token_id}, pad_id=tok.pad_token_id)

@@ -15,7 +15,7 @@ from retrograd.algorithms.advantages import EPISODE_ADVANTAGES
 from retrograd.algorithms.policy_losses import POLICY_LOSSES
 from retrograd.algorithms.pipeline import ALGORITHM_MODES
 from retrograd.algorithms.registry import PluginError, merged_params
-from retrograd.algorithms.transforms import TABLE_DEFAULTS, TOKEN_TRANSFORMS, UNCERTAINTY
+from retrograd.algorithms.transforms import TABLE_DEFAULTS, TOKEN_TRANSFORMS, UNCERTAINTY, fill_tables
 from retrograd.errors import ConfigError
 
 # sub-tables of the token transforms, in the order the docs list them
@@ -29,21 +29,21 @@ def _entry(registry, name: str, key: str, src: Path, base: Path):
         raise ConfigError(f"{src}: {key}: {e}") from None
 
 
-def _fill_table(table: str, raw: dict, src: Path, where: str) -> dict:
-    """One transform sub-table: unknown keys refused (with the valid ones), types as the defaults'."""
-    defaults = TABLE_DEFAULTS[table]
+def _fill_table(table: str, raw, src: Path, where: str) -> dict:
+    """One transform sub-table with every key filled (unknown keys refused); values typed as the defaults."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{src}: [{where}.{table}] must be a table, got {raw!r}")
-    unknown = sorted(set(raw) - set(defaults))
+    unknown = sorted(set(raw) - set(TABLE_DEFAULTS[table]))
     if unknown:
-        raise ConfigError(f"{src}: unknown key {unknown[0]!r} in [{where}.{table}]; valid keys: {', '.join(defaults)}")
-    out = dict(defaults)
+        raise ConfigError(f"{src}: unknown key {unknown[0]!r} in [{where}.{table}]; valid keys: "
+                          f"{', '.join(TABLE_DEFAULTS[table])}")
+    out = fill_tables([table], {table: raw})[table]
     for k, v in raw.items():
-        d = defaults[k]
+        d = TABLE_DEFAULTS[table][k]
+        number = isinstance(d, (int, float)) and not isinstance(d, bool)
         ok = (d is None or (isinstance(d, bool) and isinstance(v, bool))
-              or (isinstance(d, (int, float)) and not isinstance(d, bool) and isinstance(v, (int, float))
-                  and not isinstance(v, bool))
-              or (isinstance(d, str) and isinstance(v, str)) or (isinstance(d, list) and isinstance(v, list)))
+              or (number and isinstance(v, (int, float)) and not isinstance(v, bool))
+              or (isinstance(d, (str, list)) and isinstance(v, type(d))))
         if not ok:
             raise ConfigError(f"{src}: {where}.{table}.{k}: expected {type(d).__name__}, got {v!r}")
         out[k] = float(v) if isinstance(d, float) else v
@@ -96,9 +96,11 @@ def resolve_credit(g, src: Path, base: Path, where: str = "grpo"):
     if g.uncertainty_kind is not None and not uses_uncertainty:
         raise ConfigError(f"{src}: {where}.uncertainty_kind is not read by transform_mode = {tx!r} (only the GTPO "
                           "family and entropy_mask weigh tokens by uncertainty); remove it")
-    kind = g.uncertainty_kind or "surprisal"
-    _entry(UNCERTAINTY, kind, f"{where}.uncertainty_kind", src, base)
-    return dataclasses.replace(g, advantage_mode=adv, transform_mode=tx, uncertainty_kind=UNCERTAINTY.canonical(kind),
+    kind = None  # left unset when the transform weighs no token by uncertainty (so it round-trips)
+    if uses_uncertainty:
+        kind = UNCERTAINTY.canonical(g.uncertainty_kind or "surprisal")
+        _entry(UNCERTAINTY, kind, f"{where}.uncertainty_kind", src, base)
+    return dataclasses.replace(g, advantage_mode=adv, transform_mode=tx, uncertainty_kind=kind,
                                advantage_params=advantage_params, **tables)
 
 

@@ -93,7 +93,8 @@ class Run:
         outputs, total = [None] * len(data), 0.0
         for chunk in _chunks(checked, PASS_TOKENS):
             with torch.set_grad_enabled(not forward_only):
-                lps = Scorer(self.model).target_logprobs([(checked[i][0], checked[i][1]["target_tokens"]) for i in chunk])
+                rows = [(checked[i][0], checked[i][1]["target_tokens"]) for i in chunk]
+                lps = Scorer(self.model).target_logprobs(rows)
                 loss = sum(datum_loss(loss_fn, lp, checked[i][1], config) for i, lp in zip(chunk, lps))
                 if not forward_only and loss.requires_grad:
                     loss.backward()

@@ -85,7 +85,7 @@ class Credit:
                            sepa_lambda=sepa_lambda, step=step)
         token_adv, episode_adv, metrics = token_advantages(
             rollouts.rewards.view(-1, G), ctx, advantage_mode=g.advantage_mode, transform_mode=g.transform_mode,
-            uncertainty_kind=g.uncertainty_kind, tables=self.tables, advantage_params=g.advantage_params,
+            uncertainty_kind=g.uncertainty_kind or "surprisal", tables=self.tables, advantage_params=g.advantage_params,
             transform_params=g.transform_params, batch_norm=g.batch_advantage_norm, adv_clip_max=g.adv_clip_max,
             state=self.state, search_path=self.search_path)
         if self.sepa is not None:

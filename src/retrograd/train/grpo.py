@@ -38,7 +38,8 @@ from retrograd.rl.sampler import eos_ids
 from retrograd.train.checkpointing import run_meta
 from retrograd.train.common import StopRequest
 from retrograd.train.credit import Credit
-from retrograd.train.policy_update import build_batch, epoch_backward, policy_metrics, reference_logprobs
+from retrograd.train.policy_update import (build_batch, epoch_backward, policy_metrics, reference_logprobs,
+                                           trainable_rows)
 from retrograd.train.rollouts import CompletionsLog, collect, greedy_rewards, rollout_metrics
 from retrograd.train.setup import (TrainResult, check_resumable, evaluation_due, finish, lr_for, open_metrics,
                                    record_eval, resolve_resume, restore, save_checkpoint, schedule_state, start_run)
@@ -122,10 +123,8 @@ def train_grpo(cfg, resume: str | None = None, log=print) -> TrainResult:
 
             # ---- 2. advantages; which completions train ----------------------------------------
             token_adv, episode_adv, adv_metrics = credit.assign(rollouts, update)
-            dead = zero_signal_groups(rollouts.rewards, G)
-            live = [i for i in range(len(samples.completion_ids))
-                    if not dead[i // G] and not (g.mask_truncated and samples.truncated[i])]
-            step_metrics = {**rollout_metrics(rollouts, dead), **adv_metrics}
+            live = trainable_rows(rollouts.rewards, G, samples.truncated, g.mask_truncated)
+            step_metrics = {**rollout_metrics(rollouts, zero_signal_groups(rollouts.rewards, G)), **adv_metrics}
             completions_log.write(update + 1, rollouts, episode_adv)
 
             # ---- 3. grpo_epochs optimizer steps on the same completions ------------------------

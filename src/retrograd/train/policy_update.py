@@ -1,6 +1,7 @@
 """The forward/backward of an RL update, called by the RL loops once per epoch:
 
-  batch = build_batch(...)             the completions that train, laid out in passes within the budget
+  rows = trainable_rows(...)           groups with a learning signal (the others leave the update)
+  batch = build_batch(...)             those completions, laid out in passes within the budget
   ref = reference_logprobs(...)        the KL reference's log-probs, once per update (beta > 0)
   for epoch: epoch_backward(...)       per pass: teacher-forced log-probs, the registered policy loss
                                        against the first epoch's log-probs ("old"), off-policy weights,
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from retrograd.algorithms.advantages import zero_signal_groups
 from retrograd.algorithms.off_policy import importance_weights
 from retrograd.algorithms.policy_losses import aggregate, k3_kl
 from retrograd.models.fused_head import IGNORE
@@ -44,6 +46,13 @@ class UpdateBatch:
 
     def tokens(self) -> int:
         return sum(len(p) + len(c) for p, c in self.seqs)
+
+
+def trainable_rows(rewards: torch.Tensor, group_size: int, truncated: list[bool], mask_truncated: bool) -> list[int]:
+    """The completions an update trains on: every row of each group with a learning signal (rewards
+    not all equal), less those that hit max_new_tokens when mask_truncated."""
+    dead = zero_signal_groups(rewards, group_size)
+    return [i for i in range(len(truncated)) if not dead[i // group_size] and not (mask_truncated and truncated[i])]
 
 
 def build_batch(seqs, prompt_of: list[int] | None, advantages: torch.Tensor, behaviour: list[list[float]],
@@ -137,6 +146,10 @@ def epoch_backward(scorer: Scorer, batch: UpdateBatch, loss_fn, loss_params: dic
             batch.old[k] = logp.detach()
             batch.is_weights[k], is_stats = importance_weights(batch.old[k], batch.behaviour[rows], mask, *correction)
         per_token, st = loss_fn(logp, batch.old[k], batch.advantages[rows].to(logp.dtype), mask, loss_params)
+        if not isinstance(per_token, torch.Tensor) or per_token.shape != logp.shape:
+            raise ValueError(f"the policy loss returned {getattr(per_token, 'shape', type(per_token).__name__)}, "
+                             f"expected a per-token tensor {tuple(logp.shape)} (and a stats dict)")
+        st = {**st, "tokens": mask.sum()}  # every loss's stats are weighted by its pass's tokens
         per_token = per_token * batch.is_weights[k]
         if beta > 0:
             kl = k3_kl(logp, ref_logp[k])
@@ -161,6 +174,7 @@ def policy_metrics(stats: list[dict], loss: float, beta: float) -> dict:
         weight = sum(w for _, w in have)
         name = key if "/" in key else f"policy/{key}"
         out[name] = sum(v * w for v, w in have) / weight if weight > 0 else 0.0
-    out["policy/ratio_max"] = max(float(st["ratio_max"]) for st in stats)
-    out["policy/ratio_min"] = min(float(st["ratio_min"]) for st in stats)
+    if all("ratio_max" in st for st in stats):
+        out["policy/ratio_max"] = max(float(st["ratio_max"]) for st in stats)
+        out["policy/ratio_min"] = min(float(st["ratio_min"]) for st in stats)
     return out

@@ -72,10 +72,10 @@ def trace(cfg, step: int | None = None, groups: int = 2, seed: int = 0) -> dict:
               if getattr(g, t) is not None}
     token_adv, episode, metrics = token_advantages(
         rewards, ctx, advantage_mode=g.advantage_mode, transform_mode=g.transform_mode,
-        uncertainty_kind=g.uncertainty_kind, tables=tables, advantage_params=g.advantage_params,
+        uncertainty_kind=g.uncertainty_kind or "surprisal", tables=tables, advantage_params=g.advantage_params,
         transform_params=g.transform_params, batch_norm=g.batch_advantage_norm, adv_clip_max=g.adv_clip_max,
         state={}, search_path=Path(cfg.source).parent)
-    u = token_uncertainty(dataclasses.replace(ctx, advantages=episode), g.uncertainty_kind)
+    u = token_uncertainty(dataclasses.replace(ctx, advantages=episode), g.uncertainty_kind or "surprisal")
     completions = []
     for i, w in enumerate(words):
         completions.append({
@@ -83,7 +83,7 @@ def trace(cfg, step: int | None = None, groups: int = 2, seed: int = 0) -> dict:
             "tokens": [{"token": w[t], "uncertainty": float(u[i, t]), "planning": bool(planning[i, t]),
                         "advantage": float(token_adv[i, t])} for t in range(len(w))]})
     return {"advantage_mode": g.advantage_mode, "transform_mode": g.transform_mode,
-            "uncertainty_kind": g.uncertainty_kind, "batch_advantage_norm": g.batch_advantage_norm,
+            "uncertainty_kind": g.uncertainty_kind or "surprisal", "batch_advantage_norm": g.batch_advantage_norm,
             "adv_clip_max": g.adv_clip_max, "step": step, "sepa_lambda": lam, "metrics": metrics,
             "completions": completions}
 
