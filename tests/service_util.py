@@ -13,32 +13,36 @@ from pathlib import Path
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 
+KEYS: dict[str, str] = {}  # base URL -> the API key of owner "local" on the service there (running_service)
+
+
 @contextmanager
-def running_service(state_dir: Path, models: dict[str, Path], policies: dict | None = None):
-    """(service, base_url) of a server on a free loopback port, stopped afterwards."""
-    from retrograd.service.api import Service
+def running_service(state_dir: Path, models: dict[str, Path], policies: dict | None = None, limits=None,
+                    **server_options):
+    """(service, base_url) of a server on a free loopback port, stopped afterwards; its owner
+    "local" has a key (KEYS[base_url]), which `client` and `rest` use by default."""
+    from retrograd.service.api import Limits, Service
     from retrograd.service.engine import read_base
-    from retrograd.service.http import make_server, serve_in_thread
+    from retrograd.service.http import Server
     bases = {name: read_base(name, str(path), log=lambda *_: None) for name, path in models.items()}
-    svc = Service(state_dir, bases, policies, log=lambda *_: None)
-    server = make_server(svc, "127.0.0.1", 0)
-    serve_in_thread(server)
+    svc = Service(state_dir, bases, policies, log=lambda *_: None, limits=limits or Limits())
+    server = Server(svc, "127.0.0.1", 0, log=lambda *_: None, **server_options).start()
+    KEYS[server.url] = svc.registry.create_key("local", "rollout-enabled")
     try:
-        yield svc, f"http://127.0.0.1:{server.server_address[1]}"
+        yield svc, server.url
     finally:
-        server.shutdown()
-        server.server_close()
+        server.stop()
         svc.executor.close()
 
 
-def client(base_url: str, key: str = "tml-local"):
+def client(base_url: str, key: str | None = None):
     import tinker
-    return tinker.ServiceClient(base_url=base_url, api_key=key)
+    return tinker.ServiceClient(base_url=base_url, api_key=key or KEYS[base_url])
 
 
-def rest(base_url: str, key: str = "tml-local"):
+def rest(base_url: str, key: str | None = None):
     import tinker
-    return tinker.RestClient(base_url=base_url, api_key=key)
+    return tinker.RestClient(base_url=base_url, api_key=key or KEYS[base_url])
 
 
 def datum(tokens: list[int], weights: list[float] | None = None, **extra):
@@ -66,6 +70,7 @@ class ServeProcess:
             m = re.search(r"retrograd serve: (http://\S+)", line)
             if m:
                 self.url = m.group(1)
+                self.key = (state_dir / "api-key").read_text().strip()
                 return
         raise RuntimeError("retrograd serve did not start:\n" + "".join(self.lines))
 

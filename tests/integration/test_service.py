@@ -163,7 +163,7 @@ def test_ops_of_a_model_run_in_seq_order_whatever_the_arrival_order():
     from retrograd.service.futures import Executor
     ex = Executor(log=lambda *_: None)
     ran = []
-    ex.open_model("m", 1)
+    ex.open_model("m", "o", 1)
     ids = {s: ex.submit_ordered("o", "m", s, lambda s=s: ran.append(s) or s) for s in (3, 5, 2, 4)}
     assert ran == []  # nothing may start before seq 1
     ids[1] = ex.submit_ordered("o", "m", 1, lambda: ran.append(1) or 1)

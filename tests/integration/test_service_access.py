@@ -119,7 +119,7 @@ def test_signed_download_urls_verify_expire_and_refuse_tampering(keyed):
     other_file = good.replace("weights.safetensors", "optimizer.pt")  # a signature is per file
     assert _get(other_file)[0] == 403
     storage_id = good.split("/files/")[1].split("/")[0]
-    rel, _ = svc.signer.url_path(storage_id, "weights.safetensors", -5)
+    rel, _ = svc.signer.url_path(storage_id, "weights.safetensors", -5, svc.registry.caller(keys["alice"]).key_id)
     status, body = _get(url + rel)
     assert status == 403 and b"expired" in body
     rest(url, keys["alice"]).delete_checkpoint_from_tinker_path(path).result()
@@ -181,7 +181,7 @@ def test_kill_during_save_leaves_no_registered_half_checkpoint(tmp_path):
     state = tmp_path / "state"
     server = ServeProcess(state, model, env={"RETROGRAD_TEST_CRASH_IN_SAVE": "service:doomed"})
     try:
-        sc = client(server.url)
+        sc = client(server.url, server.key)
         tc = sc.create_lora_training_client(base_model=str(model), rank=2, seed=0).result()
         tc.forward_backward([datum(TOKENS)], "cross_entropy")
         tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
@@ -194,22 +194,20 @@ def test_kill_during_save_leaves_no_registered_half_checkpoint(tmp_path):
 
     server = ServeProcess(state, model)
     try:
-        listed = [c.tinker_path for c in rest(server.url).list_checkpoints(kept.split("/")[2]).result().checkpoints]
+        listed = [c.tinker_path for c in rest(server.url, server.key).list_checkpoints(kept.split("/")[2]).result()
+                  .checkpoints]
         assert listed == [kept]
         assert len(list((state / "checkpoints").iterdir())) == 1  # the remains were swept at start
         assert any("removed 1 unregistered" in line for line in server.lines)
-        resumed = client(server.url).create_training_client_from_state_with_optimizer(kept).result()
+        resumed = client(server.url, server.key).create_training_client_from_state_with_optimizer(kept).result()
         assert resumed.forward([datum(TOKENS)], "cross_entropy").result().metrics["loss:sum"] > 0
     finally:
         server.stop()
 
 
-def test_cli_keys_refusal_off_loopback_and_checkpoint_list(tmp_path):
+def test_cli_keys_and_checkpoint_list(tmp_path):
     state = tmp_path / "state"
     env = {**os.environ, "RETROGRAD_HOME": str(tmp_path / "home")}
-    r = subprocess.run([sys.executable, "-m", "retrograd", "serve", "--host", "0.0.0.0", "--state-dir", str(state)],
-                       capture_output=True, text=True, env=env, timeout=60)
-    assert r.returncode == 2 and "API key" in r.stderr
     r = subprocess.run([sys.executable, "-m", "retrograd", "serve", "keys", "create", "--owner", "carol",
                         "--policy", "actor-only", "--state-dir", str(state)], capture_output=True, text=True, env=env,
                        timeout=60)

@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "service" / "train_sft.py"
 
 
-def _example(url: str, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TINKER_BASE_URL": url, "TINKER_API_KEY": "tml-local", "TINKER_TELEMETRY": "0"}
+def _example(server: ServeProcess, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TINKER_BASE_URL": server.url, "TINKER_API_KEY": server.key, "TINKER_TELEMETRY": "0"}
     return subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, env=env, timeout=900)
 
 
@@ -28,7 +28,7 @@ def _example(url: str, *args: str) -> subprocess.CompletedProcess:
 def test_example_train_resume_verify_and_sample(tmp_path, real_home):
     server = ServeProcess(tmp_path / "state", "smollm2-135m-instruct")
     try:
-        first = _example(server.url, "--max-steps", "4", "--batch-size", "2", "--save-every", "2", "--sample",
+        first = _example(server, "--max-steps", "4", "--batch-size", "2", "--save-every", "2", "--sample",
                          "--output-dir", str(tmp_path / "run1"))
         assert first.returncode == 0, first.stderr[-3000:]
         locator = json.loads((tmp_path / "run1" / "latest-checkpoint.json").read_text())
@@ -37,11 +37,11 @@ def test_example_train_resume_verify_and_sample(tmp_path, real_home):
         sample = json.loads((tmp_path / "run1" / "sample.json").read_text())
         assert sample["model_path"].startswith("tinker://") and sample["tokens"]
 
-        bad = _example(server.url, "--resume-from", locator["path"], "--start-step", "4", "--max-steps", "4",
+        bad = _example(server, "--resume-from", locator["path"], "--start-step", "4", "--max-steps", "4",
                        "--output-dir", str(tmp_path / "bad"))
         assert bad.returncode == 2 and "must exceed --start-step" in bad.stderr
 
-        second = _example(server.url, "--resume-from", locator["path"], "--start-step", "4", "--max-steps", "6",
+        second = _example(server, "--resume-from", locator["path"], "--start-step", "4", "--max-steps", "6",
                           "--batch-size", "2", "--save-every", "1", "--skip-sample", "--verify-download",
                           "--output-dir", str(tmp_path / "run2"))
         assert second.returncode == 0, second.stderr[-3000:]
@@ -58,7 +58,7 @@ def test_example_train_resume_verify_and_sample(tmp_path, real_home):
 
         listed = subprocess.run([sys.executable, "-m", "retrograd", "checkpoint", "list", "--session-id",
                                  locator["path"].split("/")[2].split(":")[0], "--base-url", server.url,
-                                 "--api-key", "tml-local"], capture_output=True, text=True, timeout=120)
+                                 "--api-key", server.key], capture_output=True, text=True, timeout=120)
         assert listed.returncode == 0 and locator["path"] in listed.stdout
     finally:
         server.stop()

@@ -9,6 +9,7 @@ another owner answers "not found", exactly as for an id that never existed.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 import uuid
@@ -19,12 +20,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from retrograd.checkpoint.state import verify_state
+from retrograd.errors import CheckpointError
 from retrograd.models.logprobs import Scorer
 from retrograd.service.engine import BaseModel, Run, sample_sequences
 from retrograd.service.futures import Executor, JobError
 from retrograd.service.registry import Caller, CheckpointRow, Registry
 from retrograd.service.storage import CheckpointStore, Signer
-from retrograd.service import wire
+from retrograd.service import validate as v, wire
+from retrograd.service.errors import HttpError, not_found
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 RUN_ID_RE = re.compile(r"^[0-9a-f-]{36}:train:\d{1,9}$")
@@ -35,14 +38,15 @@ SESSION_IDLE_S = 1800  # a session without a heartbeat this long is finished (it
 LORA_ALPHA = 32.0  # Tinker's LoRA config has no alpha: a server-wide setting (--lora-alpha), kept in manifests
 
 
-class HttpError(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-def not_found(what: str) -> HttpError:
-    return HttpError(404, f"{what} not found (it does not exist, has expired, or belongs to another owner)")
+@dataclass(frozen=True)
+class Limits:
+    """What one request and one owner may take (retrograd serve --max-* flags)."""
+    models_per_owner: int = 8  # live training clients
+    disk_bytes_per_owner: int = 50 << 30  # registered checkpoints
+    sample_tokens: int = 1 << 16  # num_samples x max_tokens of one sampling request
+    batch_tokens: int = 1 << 17  # input tokens of one forward_backward request
+    sample_chunk: int = 8  # sequences per scheduling slice of a sampling request
+    samplers_per_session: int = 8  # live samplers (each holds a weight snapshot); the oldest leave first
 
 
 @dataclass
@@ -77,11 +81,22 @@ def checkpoint_json(row: CheckpointRow) -> dict:
             "session_id": row.session_id, "step": row.step}
 
 
+def make_private(state_dir: Path) -> None:
+    """The state dir and everything in it readable by the server's user only: files created from
+    now on (umask 077: the server owns its process), and what an older version left (chmod)."""
+    os.umask(0o077)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    for path in [state_dir, *state_dir.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod(0o700 if path.is_dir() else 0o600)
+
+
 class Service:
     def __init__(self, state_dir: Path, bases: dict[str, BaseModel], model_policy: dict[str, str] | None = None,
-                 log=print, lora_alpha: float = LORA_ALPHA):
+                 log=print, lora_alpha: float = LORA_ALPHA, limits: Limits = Limits()):
         self.state_dir = Path(state_dir)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        make_private(self.state_dir)
+        self.limits = limits
         self.registry = Registry(self.state_dir / "registry.sqlite3")
         self.store = CheckpointStore(self.state_dir)
         self.signer = Signer(self.state_dir)
@@ -92,7 +107,7 @@ class Service:
         self.executor = Executor(log)
         self.runs: dict[str, Run] = {}
         self.run_owner: dict[str, str] = {}
-        self.samplers: dict[str, Sampler] = {}
+        self.samplers: dict[str, Sampler] = {}  # in creation order (the oldest of a session leaves first)
         self.hosts: dict[tuple, Run] = {}  # models that carry sampler tensors when their run is not live
         self.last_seen: dict[str, float] = {}  # session -> last request (heartbeats every 10 s)
         self.sweep()
@@ -149,10 +164,22 @@ class Service:
             raise not_found(f"checkpoint {path}")
         return row
 
+    def _verified(self, row: CheckpointRow) -> tuple[Path, dict]:
+        """The checkpoint's folder and manifest, its files checked against their SHA-256. A damaged
+        one is a client-visible, non-retryable 400 that names the checkpoint (paths stay in the log)."""
+        folder = self.store.folder(row.storage_id)
+        try:
+            return folder, verify_state(folder)
+        except CheckpointError as e:
+            self.log(f"checkpoint {row.tinker_path} is damaged: {e}")
+            raise HttpError(400, f"checkpoint {row.tinker_path} is damaged (a file is missing or does not match "
+                                 "the SHA-256 recorded when it was saved) and cannot be loaded; delete it and use "
+                                 "another checkpoint") from None
+
     def _ordered(self, caller, body, fn) -> dict:
         model_id = self._run(caller, body.get("model_id"))
-        seq = body.get("seq_id")
-        if not isinstance(seq, int):
+        seq = v.integer(body, "seq_id", lo=0)
+        if seq is None:
             raise HttpError(400, "seq_id (an integer) is required")
         try:
             return {"request_id": self.executor.submit_ordered(caller.owner, model_id, seq, fn), "model_id": model_id}
@@ -201,35 +228,51 @@ class Service:
             self._release(session_id)
 
     # ---- training ------------------------------------------------------------------------------
+    def _new_model(self, caller: Caller, model_id: str, create) -> dict:
+        """Reserve `model_id` for its first job `create` (seq 0); a failed create frees the id again."""
+        if self.executor.has_model(model_id):
+            raise HttpError(409, f"model {model_id} already exists in this session")
+        if self.executor.models_of(caller.owner) >= self.limits.models_per_owner:
+            raise HttpError(403, f"owner {caller.owner!r} already has {self.limits.models_per_owner} live training "
+                                 "clients (the server's --max-models-per-owner): close a session, or wait until an idle "
+                                 "one is released")
+
+        def guarded():
+            try:
+                return create()
+            except BaseException:
+                self.runs.pop(model_id, None)
+                self.run_owner.pop(model_id, None)
+                self.executor.close_model(model_id)
+                raise
+        self.run_owner[model_id] = caller.owner
+        self.executor.open_model(model_id, caller.owner, 1)
+        return {"request_id": self.executor.submit(caller.owner, guarded), "model_id": model_id}
+
     def create_model(self, caller: Caller, body: dict) -> dict:
         session = self._live_session(caller, body.get("session_id"))
         base = self._base(body.get("base_model"))
-        lora = body.get("lora_config") or {}
+        lora = v.table(body, "lora_config")
         if not lora:
             raise HttpError(400, "only LoRA training clients are served here: lora_config is required")
-        opt = (body.get("optimizer_config") or {}).get("type", "adamw")
+        opt = v.table(body, "optimizer_config").get("type", "adamw")
         if opt != "adamw":
             raise HttpError(400, f"optimizer {opt!r} is not supported here (only adamw)")
-        model_id = f"{session}:train:{int(body.get('model_seq_id', 0))}"
-        if self.executor.has_model(model_id):
-            raise HttpError(409, f"model {model_id} already exists in this session")
-        seed = lora.get("seed")
-        seed = int(seed) if seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
+        model_id = f"{session}:train:{v.integer(body, 'model_seq_id', 0, lo=0)}"
+        rank = v.integer(lora, "rank", 32, lo=1, hi=512, where="lora_config.")
+        seed = v.integer(lora, "seed", None, where="lora_config.")
+        seed = seed if seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
+        flags = [v.boolean(lora, k, True, "lora_config.") for k in ("train_attn", "train_mlp", "train_unembed")]
         meta = body.get("user_metadata")
 
         def create():
-            run = Run.create(model_id, base, int(lora.get("rank", 32)), self.lora_alpha, seed,
-                             bool(lora.get("train_attn", True)), bool(lora.get("train_mlp", True)),
-                             bool(lora.get("train_unembed", True)))
+            run = Run.create(model_id, base, rank, self.lora_alpha, seed, *flags)
             self.runs[model_id] = run
             self.registry.add_run(model_id, session, caller.owner, base.name, run.lora, meta)
             self.log(f"{caller.owner}: created {model_id} on {base.name} (LoRA r={run.lora['rank']}, "
                      f"{', '.join(run.lora['modules'])})")
             return {"type": "create_model", "model_id": model_id}
-
-        self.run_owner[model_id] = caller.owner
-        self.executor.open_model(model_id, 1)
-        return {"request_id": self.executor.submit(caller.owner, create), "model_id": model_id}
+        return self._new_model(caller, model_id, create)
 
     def get_info(self, caller: Caller, body: dict) -> dict:
         model_id = self._run(caller, body.get("model_id"))
@@ -247,6 +290,15 @@ class Service:
         except wire.WireError as e:
             raise HttpError(400, str(e)) from None
 
+        tokens = sum(len(d.tokens) for d in req.data)
+        run = self.runs.get(req.model_id)
+        longest = max((len(d.tokens) for d in req.data), default=0)
+        if run is not None and longest > run.base.max_context:  # (a run still being created checks in its job)
+            raise HttpError(400, f"a datum of {longest} tokens exceeds the model's context of {run.base.max_context}")
+        if tokens > self.limits.batch_tokens:
+            raise HttpError(400, f"forward_backward of {tokens} tokens exceeds this server's {self.limits.batch_tokens} "
+                                 "per request; send fewer datums per call")
+
         def job():
             outs, metrics = self.runs[req.model_id].forward_backward(req.data, req.loss_fn, req.loss_fn_config,
                                                                      req.forward_only)
@@ -256,14 +308,15 @@ class Service:
     def optim_step(self, caller: Caller, body: dict) -> dict:
         if "adam_params" not in body:
             raise HttpError(400, "optim_step: only adam_params (AdamW) is supported here")
-        p = body["adam_params"] or {}
-        try:
-            args = {k: float(p.get(k, d)) for k, d in (("learning_rate", 1e-4), ("beta1", 0.9), ("beta2", 0.95),
-                                                       ("eps", 1e-12), ("weight_decay", 0.0), ("grad_clip_norm", 0.0))}
-        except (TypeError, ValueError):
-            raise HttpError(400, f"optim_step: adam_params must be numbers, got {p!r}") from None
-        if args["learning_rate"] < 0 or not 0 <= args["beta1"] < 1 or not 0 <= args["beta2"] < 1:
-            raise HttpError(400, f"optim_step: adam_params out of range: {args}")
+        p = v.table(body, "adam_params")
+        w = "adam_params."
+        # finite and in range, so a sloppy client cannot ruin the model (NaN or an absurd rate)
+        args = {"learning_rate": v.number(p, "learning_rate", 1e-4, lo=0.0, hi=1.0, where=w),
+                "beta1": v.number(p, "beta1", 0.9, lo=0.0, hi=1.0, hi_open=True, where=w),
+                "beta2": v.number(p, "beta2", 0.95, lo=0.0, hi=1.0, hi_open=True, where=w),
+                "eps": v.number(p, "eps", 1e-12, lo=0.0, hi=1.0, lo_open=True, where=w),
+                "weight_decay": v.number(p, "weight_decay", 0.0, lo=0.0, hi=1.0, where=w),
+                "grad_clip_norm": v.number(p, "grad_clip_norm", 0.0, lo=0.0, where=w)}
         model_id = body.get("model_id")
 
         def job():
@@ -283,7 +336,11 @@ class Service:
         ttl = body.get("ttl_seconds")
         if ttl is not None and (not isinstance(ttl, int) or ttl <= 0):
             raise HttpError(400, f"ttl_seconds must be a positive integer, got {ttl!r}")
-        overwrite, meta = bool(body.get("overwrite", False)), body.get("user_metadata")
+        overwrite, meta = v.boolean(body, "overwrite", False), body.get("user_metadata")
+        used = self.registry.disk_bytes(caller.owner)
+        if used >= self.limits.disk_bytes_per_owner:
+            raise HttpError(403, f"owner {caller.owner!r} has {used / 1e9:.1f} GB of checkpoints, the server's limit "
+                                 f"(--max-disk-gb-per-owner); delete some (RestClient.delete_checkpoint) or set TTLs")
 
         def job():
             run = self.runs[model_id]
@@ -336,12 +393,12 @@ class Service:
         model_id = self._run(caller, body.get("model_id"))
         run_base = self.runs[model_id].base.name if model_id in self.runs else None
         self._may_sample(caller, run_base)
-        sampler_id = f"{model_id.split(':')[0]}:sample:{int(body.get('sampling_session_seq_id') or 0)}"
+        sampler_id = f"{model_id.split(':')[0]}:sample:{v.integer(body, 'sampling_session_seq_id', 0, lo=0)}"
 
         def job():
             run = self.runs[model_id]
-            self.samplers[sampler_id] = Sampler(sampler_id, caller.owner, run.base, None, run.snapshot(), run.lora,
-                                                model_id)
+            self._keep_sampler(sampler_id, Sampler(sampler_id, caller.owner, run.base, None, run.snapshot(), run.lora,
+                                                   model_id))
             return {"type": "save_weights_for_sampler", "sampling_session_id": sampler_id}
         return self._ordered(caller, body, job)
 
@@ -350,9 +407,8 @@ class Service:
         if row.kind != "training":
             raise HttpError(400, f"{row.tinker_path} is a {row.kind} checkpoint (weights only); training resumes from a "
                                  "tinker://.../weights/NAME path saved by save_state")
-        with_optimizer = bool(body.get("optimizer", False))
-        folder = self.store.folder(row.storage_id)
-        manifest = verify_state(folder)
+        with_optimizer = v.boolean(body, "optimizer", False)
+        folder, manifest = self._verified(row)
         info = manifest["service"]
         if body.get("session_id") is None:  # legacy: load into an existing model, in order
             model_id = body.get("model_id")
@@ -365,7 +421,7 @@ class Service:
         base = self._base(info["base_model"])
         if body.get("base_model") not in (None, base.name):
             raise HttpError(400, f"{row.tinker_path} was trained on {base.name}, not {body['base_model']}")
-        model_id = f"{session}:train:{int(body.get('model_seq_id', 0))}"
+        model_id = f"{session}:train:{v.integer(body, 'model_seq_id', 0, lo=0)}"
         meta = body.get("user_metadata")
         lora = info["lora"]
 
@@ -378,11 +434,8 @@ class Service:
             self.log(f"{caller.owner}: created {model_id} from {row.tinker_path} (step {run.steps}"
                      f"{', with optimizer state' if with_optimizer else ''})")
             return {"type": "load_weights", "model_id": model_id, "path": row.tinker_path}
-
-        self.run_owner[model_id] = caller.owner
-        self.executor.open_model(model_id, 1)
         # this request is the model's seq 0 (the SDK's create-via-load); its ops continue at 1
-        return {"request_id": self.executor.submit(caller.owner, create), "model_id": model_id}
+        return self._new_model(caller, model_id, create)
 
     def _restore(self, run: Run, folder: Path, row: CheckpointRow, with_optimizer: bool) -> None:
         run.load_tensors(load_file(str(folder / "weights.safetensors")), row.tinker_path)
@@ -398,9 +451,20 @@ class Service:
     # ---- sampling ------------------------------------------------------------------------------
     def create_sampling_session(self, caller: Caller, body: dict) -> dict:
         session = self._live_session(caller, body.get("session_id"))
-        sampler_id = f"{session}:sample:{int(body.get('sampling_session_seq_id') or 0)}"
-        self.samplers[sampler_id] = self._make_sampler(caller, sampler_id, body.get("model_path"), body.get("base_model"))
+        sampler_id = f"{session}:sample:{v.integer(body, 'sampling_session_seq_id', 0, lo=0)}"
+        self._keep_sampler(sampler_id, self._make_sampler(caller, sampler_id, body.get("model_path"),
+                                                          body.get("base_model")))
         return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
+
+    def _keep_sampler(self, sampler_id: str, sampler: Sampler) -> None:
+        """Register a sampler; a session keeps its newest `samplers_per_session` (each holds a weight
+        snapshot, and an RL loop makes one per iteration: without this memory grows with every step)."""
+        self.samplers.pop(sampler_id, None)
+        self.samplers[sampler_id] = sampler
+        prefix = sampler_id.split(":", 1)[0] + ":"
+        mine = [s for s in self.samplers if s.startswith(prefix)]
+        for old in mine[:max(0, len(mine) - self.limits.samplers_per_session)]:
+            del self.samplers[old]
 
     def _make_sampler(self, caller: Caller, sampler_id: str, model_path, base_model) -> Sampler:
         if model_path:
@@ -408,8 +472,8 @@ class Service:
             if row.kind == "external":
                 raise HttpError(400, f"{row.tinker_path} is an external (PEFT) export; sample from its "
                                      "sampler_weights or weights checkpoint")
-            folder = self.store.folder(row.storage_id)
-            info = verify_state(folder)["service"]
+            folder, manifest = self._verified(row)
+            info = manifest["service"]
             base = self._base(info["base_model"])
             self._may_sample(caller, base.name)
             return Sampler(sampler_id, caller.owner, base, row.tinker_path,
@@ -421,7 +485,7 @@ class Service:
     def get_sampler(self, caller: Caller, sampler_id: str) -> dict:
         s = self.samplers.get(sampler_id)
         if s is None or s.owner != caller.owner:
-            raise not_found(f"sampler {sampler_id!r}")
+            raise not_found(f"sampler {sampler_id!r} (a session keeps its {self.limits.samplers_per_session} newest)")
         return {"sampler_id": sampler_id, "base_model": s.base.name, "model_path": s.model_path}
 
     def asample(self, caller: Caller, body: dict) -> dict:
@@ -433,25 +497,39 @@ class Service:
         else:
             sampler = self._make_sampler(caller, "adhoc", body.get("model_path"), body.get("base_model"))
         self._may_sample(caller, sampler.base.name)
+        base = sampler.base
         prompt = []
-        for chunk in (body.get("prompt") or {}).get("chunks", []):
+        chunks = v.table(body, "prompt").get("chunks", [])
+        if not isinstance(chunks, list) or not all(isinstance(c, dict) for c in chunks):
+            raise HttpError(400, "prompt.chunks must be a list of objects")
+        for chunk in chunks:
             if chunk.get("type", "encoded_text") != "encoded_text":
                 raise HttpError(400, f"prompt chunks of type {chunk.get('type')!r} are not supported (text only)")
-            prompt.extend(int(t) for t in chunk.get("tokens", []))
-        n = int(body.get("num_samples", 1))
-        if not 1 <= n <= 256:
-            raise HttpError(400, f"num_samples must be 1..256, got {n}")
-        params = body.get("sampling_params") or {}
-        want_prompt_lp = bool(body.get("prompt_logprobs")) or int(body.get("topk_prompt_logprobs") or 0) > 0
-        topk = int(body.get("topk_prompt_logprobs") or 0)
+            prompt.extend(v.token_ids(chunk.get("tokens", []), "prompt tokens", base.model.config.vocab_size))
+        if not prompt:
+            raise HttpError(400, "the prompt is empty")
+        n = v.integer(body, "num_samples", 1, lo=1, hi=256)
+        params = sampling_params(v.table(body, "sampling_params"), len(prompt), base.max_context)
+        if n * params["max_tokens"] > self.limits.sample_tokens:
+            raise HttpError(400, f"num_samples x max_tokens = {n} x {params['max_tokens']} exceeds this server's "
+                                 f"{self.limits.sample_tokens} tokens per sampling request; split the request")
+        want_plp = v.boolean(body, "prompt_logprobs", False)
+        topk = v.integer(body, "topk_prompt_logprobs", 0, lo=0, hi=base.model.config.vocab_size)
+        # the sequences are sampled in slices of `sample_chunk`, other owners' jobs running in between
+        sizes = [min(self.limits.sample_chunk, n - i) for i in range(0, n, self.limits.sample_chunk)]
+        sequences: list = []
 
-        def job():
-            with self._sampling_model(sampler) as model:
-                seqs = sample_sequences(model, sampler.base.tokenizer, prompt, n, params, sampler.base.max_context)
-                plp, top = Scorer(model).prompt_logprobs(prompt, topk) if want_prompt_lp else (None, None)
-            return wire.encode_sample_response(seqs, plp if body.get("prompt_logprobs") else None, top)
+        def part(k: int, size: int):
+            def run():
+                seed = params["seed"] + k if params["seed"] is not None else None
+                with self._sampling_model(sampler) as model:
+                    sequences.extend(sample_sequences(model, base.tokenizer, prompt, size, {**params, "seed": seed}))
+                    if k == len(sizes) - 1:
+                        plp, top = Scorer(model).prompt_logprobs(prompt, topk) if want_plp or topk else (None, None)
+                        return wire.encode_sample_response(sequences, plp if want_plp else None, top)
+            return run
 
-        request_id = self.executor.submit(caller.owner, job)
+        request_id = self.executor.submit_parts(caller.owner, [part(k, size) for k, size in enumerate(sizes)])
         return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(n)]}
 
     def _sampling_model(self, sampler: Sampler):
@@ -469,3 +547,24 @@ class Service:
                                              lo["train_mlp"], lo.get("train_unembed", False))
             run = self.hosts[key]
         return run.swapped_adapter(sampler.tensors)
+
+
+def sampling_params(p: dict, prompt_len: int, max_context: int) -> dict:
+    """Tinker's SamplingParams, checked: max_tokens >= 1 (default: up to 256 within the context),
+    temperature >= 0 (0: greedy), top_p in (0, 1], top_k (-1 or 0: off), seed, stop (None: EOS;
+    [] nothing; token ids; strings)."""
+    w = "sampling_params."
+    max_tokens = v.integer(p, "max_tokens", None, lo=1, where=w)
+    if max_tokens is None:
+        max_tokens = max(1, min(256, max_context - prompt_len))
+    if prompt_len + max_tokens > max_context:
+        raise HttpError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the model's context "
+                             f"of {max_context}")
+    stop = p.get("stop")
+    if not (stop is None or isinstance(stop, str) or (isinstance(stop, list) and (
+            all(isinstance(x, str) for x in stop) or all(isinstance(x, int) and not isinstance(x, bool) for x in stop)))):
+        raise HttpError(400, f"{w}stop must be a string, a list of strings or a list of token ids, got {stop!r:.80}")
+    return {"max_tokens": max_tokens, "temperature": v.number(p, "temperature", 1.0, lo=0.0, hi=100.0, where=w),
+            "top_p": v.number(p, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True, where=w),
+            "top_k": v.integer(p, "top_k", -1, lo=-1, where=w), "seed": v.integer(p, "seed", None, where=w),
+            "stop": stop}

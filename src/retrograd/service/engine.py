@@ -89,7 +89,8 @@ class Run:
         """Per-datum target log-probs and {"loss:sum": total}; accumulates gradients unless
         forward_only."""
         config = resolve_config(loss_fn, loss_fn_config)
-        checked = [_check_datum(i, d, loss_fn, self.base.model.config.vocab_size) for i, d in enumerate(data)]
+        checked = [_check_datum(i, d, loss_fn, self.base.model.config.vocab_size, self.base.max_context)
+                   for i, d in enumerate(data)]
         outputs, total = [None] * len(data), 0.0
         for chunk in _chunks(checked, PASS_TOKENS):
             with torch.set_grad_enabled(not forward_only):
@@ -158,11 +159,13 @@ def shared_copy(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def _check_datum(i: int, d, loss_fn: str, vocab: int):
-    """(tokens, torch inputs) after checking shapes and ids; errors name the datum."""
+def _check_datum(i: int, d, loss_fn: str, vocab: int, max_context: int):
+    """(tokens, torch inputs) after checking shapes, length and ids; errors name the datum."""
     n = len(d.tokens)
     if n == 0:
         raise UserError(f"datum {i}: model_input is empty")
+    if n > max_context:
+        raise UserError(f"datum {i}: {n} tokens exceed the model's context of {max_context}")
     if "target_tokens" not in d.inputs:
         raise UserError(f"datum {i}: loss_fn_inputs has no target_tokens")
     missing = [k for k in REQUIRED_INPUTS[loss_fn] if k not in d.inputs]
@@ -199,15 +202,11 @@ def _chunks(checked, budget: int) -> list[list[int]]:
     return out + ([cur] if cur else [])
 
 
-def sample_sequences(model, tokenizer, prompt: list[int], num_samples: int, params: dict, max_context: int):
-    """Tinker's SamplingParams -> sequences (tokens, logprobs, stopped) from our sampler.
-    stop: None -> EOS; [] -> nothing stops but max_tokens; token ids replace EOS; strings add to it."""
-    if not prompt:
-        raise UserError("the prompt is empty")
-    max_tokens = params.get("max_tokens") or max(1, min(256, max_context - len(prompt)))
-    if len(prompt) + max_tokens > max_context:
-        raise UserError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                        f"context of {max_context}")
+def sample_sequences(model, tokenizer, prompt: list[int], num_samples: int, params: dict):
+    """Checked SamplingParams (api.sampling_params) -> sequences (tokens, logprobs, stopped) from our
+    sampler. stop: None -> EOS; [] -> nothing stops but max_tokens; token ids replace EOS; strings add
+    to it."""
+    max_tokens = params["max_tokens"]
     stop = params.get("stop")
     eos, strings = eos_ids(tokenizer, model), []
     if isinstance(stop, str):

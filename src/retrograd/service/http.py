@@ -1,233 +1,327 @@
-"""`retrograd serve`: the HTTP layer (stdlib ThreadingHTTPServer, HTTP/1.1 keep-alive), routing,
-API-key authentication, request size limits and the long-polled `retrieve_future`.
+"""`retrograd serve`'s HTTP layer: a Starlette app served by uvicorn (framing, keep-alive, chunked
+bodies, idle timeouts and the connection cap are uvicorn's job), routing, and the checks every
+request passes before its body is read.
 
-Authentication: every /api/v1 request carries `X-API-Key`. When the state dir holds keys
-(`retrograd serve keys create`), only those are accepted and each maps to its owner and policy.
-With no keys at all the server accepts any key as owner "local" -- allowed only on a loopback
-address, so an open server is never reachable from another machine.
+In order, for every request:
+  1. `Host` must name this server (the bound address, or --public-url): a web page that rebinds a
+     DNS name to 127.0.0.1 is refused, and signed URLs are built from the public URL, never from
+     the Host header;
+  2. an `X-API-Key` of the state dir (keys are always required; `retrograd serve` makes one for
+     its user on first start) -- except the health check and signed downloads, which carry their
+     own signature;
+  3. a declared body larger than the route's limit is refused (413) without reading it, and a
+     chunked body is cut off as soon as it passes the limit.
+Then the route runs the Service method (service/api.py, rest.py) in a worker thread; the
+long-polled `retrieve_future` waits without holding one. Every request gets an answer: a client
+mistake a 4xx naming what is wrong, a bug a 500 with no internals (the traceback goes to the log).
 """
 from __future__ import annotations
 
-import ipaddress
+import asyncio
 import json
 import re
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import urlsplit
 
-from retrograd.errors import ConfigError
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Route
+
 from retrograd.service import rest
 from retrograd.service.api import HttpError, Service
 from retrograd.service.registry import Caller
 
 MAX_JSON_BYTES = 8 << 20  # 8 MiB: a sampling request with a long prompt fits many times over
-MAX_PROTO_BYTES = 256 << 20  # forward_backward batches (the SDK chunks above ~5 MB anyway)
+MAX_PROTO_BYTES = 64 << 20  # forward_backward batches (the SDK cuts its requests into ~5 MB chunks)
 POLL_S = 20.0  # how long retrieve_future holds a poll (the SDK's own timeout is 45 s)
+KEEP_ALIVE_S = 15  # an idle keep-alive connection is closed after this
+MAX_CONNECTIONS = 256  # beyond this many open connections uvicorn answers 503
+DRAIN_FACTOR = 4  # an authorised oversized body up to 4x the limit is discarded before the 413
 CLIENT_CONFIG = {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "parallel_fwdbwd_chunks": True,
                  "proto_compress_fwdbwd": False, "sample_use_retrieve_futures": False,
                  "custom_loss_server_side": False, "sample_join_sampling_session": False}
+OPEN_PATHS = re.compile(r"^/api/v1/(healthz|files/[0-9a-f]{32}/[A-Za-z0-9._-]+)$")  # no API key needed
 
 _RUN = r"(?P<run>[^/]+)"
 _CKPT = r"(?P<ckpt>(?:weights|sampler_weights|external_weights)/[^/]+)"
 
 
 def is_loopback(host: str) -> bool:
+    import ipaddress
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server_version = "retrograd-serve"
-    svc: Service = None
-    open_access = False
-    log_fn = print
+def allowed_hosts(host: str, port: int, public_url: str | None) -> set[str]:
+    """Host header values that name this server: the bound address (and, on loopback, the usual
+    loopback spellings), with and without the port, and the public URL's host."""
+    names = {host}
+    if is_loopback(host) or host in ("0.0.0.0", "::"):
+        names |= {"127.0.0.1", "localhost", "[::1]"}
+    out = {n for name in names for n in (name, f"{name}:{port}")}
+    if public_url:
+        netloc = urlsplit(public_url).netloc
+        out |= {netloc, netloc.rsplit(":", 1)[0]}
+    return {h.lower() for h in out}
 
-    def log_message(self, fmt, *args):  # quiet: one line per error only (see _send)
-        pass
 
-    # ---- plumbing ------------------------------------------------------------------------------
-    def _send(self, status: int, payload, content_type: str = "application/json") -> None:
-        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message, "detail": message}, status_code=status)
 
-    def _body(self, limit: int) -> bytes:
-        length = self.headers.get("Content-Length")
-        if length is None:
-            if self.command in ("GET", "DELETE"):
-                return b""
-            raise HttpError(411, "a Content-Length header is required")
-        n = int(length)
+
+class Gate:
+    """ASGI middleware: Host, API key and declared body size, checked on the headers alone."""
+
+    def __init__(self, app, svc: Service, hosts: set[str], log):
+        self.app, self.svc, self.hosts, self.log = app, svc, hosts, log
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        path = scope["path"]
+        refusal = None
+        if headers.get("host", "").lower() not in self.hosts:
+            refusal = _error(400, f"Host {headers.get('host', '')!r} does not name this server "
+                                  "(start it with --public-url for the address clients use)")
+        elif not OPEN_PATHS.match(path):
+            key = headers.get("x-api-key", "")
+            caller = await run_in_threadpool(self.svc.registry.caller, key) if key else None
+            if not key:
+                refusal = _error(401, "missing X-API-Key header (set TINKER_API_KEY)")
+            elif caller is None:
+                refusal = _error(401, "unknown or revoked API key (the server's user finds theirs in the state "
+                                      "dir's api-key file; more with: retrograd serve keys create --owner NAME)")
+            else:
+                scope.setdefault("state", {})["caller"] = caller
+        if refusal is None:
+            limit = MAX_PROTO_BYTES if path == "/api/v1/forward_backward" else MAX_JSON_BYTES
+            length = headers.get("content-length")
+            if length is not None and (not length.isdigit() or int(length) > limit):
+                refusal = _error(413 if length.isdigit() else 400,
+                                 f"request body of {length} bytes exceeds the limit of {limit} bytes"
+                                 if length.isdigit() else f"invalid Content-Length {length!r}")
+                if length.isdigit() and int(length) <= DRAIN_FACTOR * limit:
+                    # an authorised client's oversized body is read and thrown away first, so that a
+                    # client that closes after its request (Connection: close) still reads the 413
+                    await _discard(receive)
+        if refusal is not None:  # answered without keeping (or parsing) the body; uvicorn discards the rest
+            return await refusal(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+async def _discard(receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body"):
+            return
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    """The body, read up to `limit` bytes (a chunked body is cut off there)."""
+    out, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
         if n > limit:
-            raise HttpError(413, f"request body of {n} bytes exceeds the limit of {limit} bytes")
-        return self.rfile.read(n)
+            raise HttpError(413, f"request body exceeds the limit of {limit} bytes")
+        out.append(chunk)
+    return b"".join(out)
 
-    def _json(self) -> dict:
-        raw = self._body(MAX_JSON_BYTES)
-        if not raw:
-            return {}
+
+async def _json(request: Request) -> dict:
+    raw = await _body(request, MAX_JSON_BYTES)
+    if not raw:
+        return {}
+    try:
+        out = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise HttpError(400, f"the request body is not JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(out, dict):
+        raise HttpError(400, f"the request body must be a JSON object, not a {type(out).__name__}")
+    return out
+
+
+def build_app(svc: Service, hosts: set[str], base_url: str, log=print) -> Gate:
+    """The ASGI application: every route of the Tinker API this server answers."""
+
+    def caller_of(request: Request) -> Caller:
+        return request.scope["state"]["caller"]
+
+    async def endpoint(request: Request) -> Response:
+        method, path = request.method, request.url.path
         try:
-            out = json.loads(raw)
-        except ValueError as e:
-            raise HttpError(400, f"the request body is not JSON: {e}") from None
-        if not isinstance(out, dict):
-            raise HttpError(400, "the request body must be a JSON object")
-        return out
-
-    def _caller(self) -> Caller:
-        key = self.headers.get("X-API-Key") or ""
-        if not key:
-            raise HttpError(401, "missing X-API-Key header (set TINKER_API_KEY)")
-        caller = self.svc.registry.caller(key)
-        if caller is not None:
-            return caller
-        if self.open_access and not self.svc.registry.has_keys():
-            return Caller("local", "rollout-enabled")
-        raise HttpError(401, "unknown API key (create one with: retrograd serve keys create --owner NAME)")
-
-    def _base_url(self) -> str:
-        return f"http://{self.headers.get('Host') or '%s:%d' % self.server.server_address[:2]}"
-
-    def _dispatch(self) -> None:
-        self._body_read = False  # one handler serves every request of a keep-alive connection
-        url = urlsplit(self.path)
-        path, query = unquote(url.path), dict(parse_qsl(url.query))
-        try:
-            status, payload, ctype = self._route(self.command, path, query)
-            self._send(status, payload, ctype)
+            return await _route(request, method, path[len("/api/v1/"):] if path.startswith("/api/v1/") else None)
         except HttpError as e:
-            self._drain()
-            self._send(e.status, {"error": str(e), "detail": str(e)})
-        except Exception as e:  # a bug: answer 500 and keep serving
+            return _error(e.status, str(e))
+        except Exception:  # a bug: answer 500 without internals, keep serving
             import traceback
-            self.log_fn(f"{self.command} {path} failed:\n{traceback.format_exc()}")
-            self._send(500, {"error": f"{type(e).__name__}: {e}"})
+            log(f"{method} {path} failed:\n{traceback.format_exc()}")
+            return _error(500, "internal error; the server log has the details")
 
-    def _drain(self) -> None:
-        """Read an unread body so the keep-alive connection stays in step."""
-        try:
-            n = int(self.headers.get("Content-Length") or 0)
-            if 0 < n <= MAX_PROTO_BYTES and not getattr(self, "_body_read", False):
-                self.rfile.read(n)
-        except (ValueError, OSError):
-            pass
+    async def _route(request: Request, method: str, route: str | None) -> Response:
+        if route is None:
+            raise HttpError(404, f"no such endpoint: {method} {request.url.path}")
+        query = dict(request.query_params)
+        if route == "healthz":
+            return JSONResponse({"status": "ok"})
+        m = re.fullmatch(r"files/(?P<sid>[0-9a-f]{32})/(?P<name>[A-Za-z0-9._-]+)", route)
+        if m and method == "GET":  # signed URL: no API key, its signature instead
+            f = await run_in_threadpool(rest.download, svc, m["sid"], m["name"], query)
+            return FileResponse(f, media_type="application/octet-stream")
+        caller = caller_of(request)
 
-    do_GET = do_POST = do_PUT = do_DELETE = _dispatch
+        def call(fn, *args):
+            return run_in_threadpool(fn, *args)
 
-    # ---- routes --------------------------------------------------------------------------------
-    def _route(self, method: str, path: str, query: dict):
-        svc = self.svc
-        if path == "/api/v1/healthz":
-            return 200, {"status": "ok"}, "application/json"
-        m = re.fullmatch(r"/api/v1/files/(?P<sid>[0-9a-f]{32})/(?P<name>[A-Za-z0-9._-]+)", path)
-        if m and method == "GET":  # signed URL: no API key needed
-            f = rest.download(svc, m["sid"], m["name"], query)
-            return 200, f.read_bytes(), "application/octet-stream"
-        if not path.startswith("/api/v1/"):
-            raise HttpError(404, f"no such endpoint: {method} {path}")
-        caller = self._caller()
-        route = path[len("/api/v1/"):]
         if method == "POST":
             if route == "forward_backward":
-                body = self._body(MAX_PROTO_BYTES)
-                self._body_read = True
-                return 200, svc.forward_backward(caller, body), "application/json"
-            body = self._json()
-            self._body_read = True
-            simple = {"client/config": lambda: CLIENT_CONFIG, "client/dynamic_config": lambda: {"refresh_interval_sec": 300},
-                      "telemetry": lambda: {"status": "accepted"},
-                      "create_session": lambda: svc.create_session(caller, body),
-                      "session_heartbeat": lambda: svc.heartbeat(caller, body),
-                      "create_model": lambda: svc.create_model(caller, body),
-                      "get_info": lambda: svc.get_info(caller, body),
-                      "optim_step": lambda: svc.optim_step(caller, body),
-                      "save_weights": lambda: svc.save_weights(caller, body),
-                      "save_weights_for_sampler": lambda: svc.save_weights_for_sampler(caller, body),
-                      "save_weights_external": lambda: svc.save_weights_external(caller, body),
-                      "load_weights": lambda: svc.load_weights(caller, body),
-                      "create_sampling_session": lambda: svc.create_sampling_session(caller, body),
-                      "asample": lambda: svc.asample(caller, body),
-                      "weights_info": lambda: rest.weights_info(svc, caller, body)}
-            if route in simple:
-                return 200, simple[route](), "application/json"
+                body = await _body(request, MAX_PROTO_BYTES)
+                return JSONResponse(await call(svc.forward_backward, caller, body))
+            body = await _json(request)
             if route == "retrieve_future":
-                return self._retrieve(caller, body)
+                return await _retrieve(caller, body)
+            static = {"client/config": CLIENT_CONFIG, "client/dynamic_config": {"refresh_interval_sec": 300},
+                      "telemetry": {"status": "accepted"}}
+            if route in static:
+                return JSONResponse(static[route])
+            simple = {"create_session": svc.create_session, "session_heartbeat": svc.heartbeat,
+                      "create_model": svc.create_model, "get_info": svc.get_info, "optim_step": svc.optim_step,
+                      "save_weights": svc.save_weights, "save_weights_for_sampler": svc.save_weights_for_sampler,
+                      "save_weights_external": svc.save_weights_external, "load_weights": svc.load_weights,
+                      "create_sampling_session": svc.create_sampling_session, "asample": svc.asample,
+                      "weights_info": lambda c, b: rest.weights_info(svc, c, b)}
+            if route in simple:
+                return JSONResponse(await call(simple[route], caller, body))
             m = re.fullmatch(r"sessions/(?P<sid>[^/]+)/finish", route)
             if m:
-                return 200, svc.finish_session(caller, m["sid"]), "application/json"
+                return JSONResponse(await call(svc.finish_session, caller, m["sid"]))
         if method == "GET":
             if route == "get_server_capabilities":
-                return 200, rest.capabilities(svc), "application/json"
+                return JSONResponse(await call(rest.capabilities, svc))
             if route == "training_runs":
-                return 200, rest.list_runs(svc, caller, query), "application/json"
+                return JSONResponse(await call(rest.list_runs, svc, caller, query))
             if route == "checkpoints":
-                return 200, rest.list_checkpoints(svc, caller, query), "application/json"
+                return JSONResponse(await call(rest.list_checkpoints, svc, caller, query))
             m = re.fullmatch(r"samplers/(?P<sid>[^/]+)", route)
             if m:
-                return 200, svc.get_sampler(caller, m["sid"]), "application/json"
+                return JSONResponse(await call(svc.get_sampler, caller, m["sid"]))
             m = re.fullmatch(r"sessions/(?P<sid>[^/]+)", route)
             if m:
-                s = svc.registry.session(m["sid"], caller.owner)
+                s = await call(svc.registry.session, m["sid"], caller.owner)
                 if s is None:
                     raise HttpError(404, f"session {m['sid']!r} not found")
-                return 200, s, "application/json"
+                return JSONResponse(s)
             m = re.fullmatch(r"sessions/(?P<sid>[^/]+)/checkpoints", route)
             if m:
-                return 200, rest.list_checkpoints(svc, caller, query, session_id=m["sid"]), "application/json"
+                return JSONResponse(await call(lambda: rest.list_checkpoints(svc, caller, query, session_id=m["sid"])))
             m = re.fullmatch(rf"training_runs/{_RUN}", route)
             if m:
-                return 200, rest.get_run(svc, caller, m["run"]), "application/json"
+                return JSONResponse(await call(rest.get_run, svc, caller, m["run"]))
             m = re.fullmatch(rf"training_runs/{_RUN}/checkpoints", route)
             if m:
-                return 200, rest.list_checkpoints(svc, caller, query, run_id=m["run"]), "application/json"
-            m = re.fullmatch(rf"training_runs/{_RUN}/checkpoints/{_CKPT}/(?P<what>manifest|external_weights_urls)", route)
+                return JSONResponse(await call(lambda: rest.list_checkpoints(svc, caller, query, run_id=m["run"])))
+            m = re.fullmatch(rf"training_runs/{_RUN}/checkpoints/{_CKPT}/(?P<what>manifest|external_weights_urls)",
+                             route)
             if m:
                 fn = rest.manifest if m["what"] == "manifest" else rest.external_urls
-                return 200, fn(svc, caller, m["run"], m["ckpt"], self._base_url()), "application/json"
+                return JSONResponse(await call(fn, svc, caller, m["run"], m["ckpt"], base_url))
         if method == "DELETE":
             m = re.fullmatch(rf"training_runs/{_RUN}/checkpoints/{_CKPT}", route)
             if m:
-                return 200, rest.delete_checkpoint(svc, caller, m["run"], m["ckpt"]), "application/json"
+                return JSONResponse(await call(rest.delete_checkpoint, svc, caller, m["run"], m["ckpt"]))
         if method == "PUT":
             m = re.fullmatch(rf"training_runs/{_RUN}/checkpoints/{_CKPT}/ttl", route)
             if m:
-                return 200, rest.set_ttl(svc, caller, m["run"], m["ckpt"], self._json()), "application/json"
-        raise HttpError(404, f"no such endpoint: {method} {path}")
+                body = await _json(request)
+                return JSONResponse(await call(rest.set_ttl, svc, caller, m["run"], m["ckpt"], body))
+        raise HttpError(404, f"no such endpoint: {method} {request.url.path}")
 
-    def _retrieve(self, caller: Caller, body: dict):
+    async def _retrieve(caller: Caller, body: dict) -> Response:
         rid = body.get("request_id")
-        p = self.svc.executor.wait(str(rid), caller.owner, POLL_S)
+        if not isinstance(rid, str):
+            raise HttpError(400, "retrieve_future needs request_id (a string)")
+        p = await svc.executor.wait_async(rid, caller.owner, POLL_S)
         if p is None:
             raise HttpError(404, f"request {rid!r} not found (unknown, expired, or another owner's)")
         if not p.done.is_set():
-            return 200, {"type": "try_again", "request_id": rid, "queue_state": "active"}, "application/json"
+            return JSONResponse({"type": "try_again", "request_id": rid, "queue_state": "active"})
         if p.error is not None:
-            return 200, {"error": p.error[0], "category": p.error[1]}, "application/json"
+            return JSONResponse({"error": p.error[0], "category": p.error[1]})
         if isinstance(p.result, bytes):
-            return 200, p.result, "application/x-protobuf"
-        return 200, p.result, "application/json"
+            return Response(p.result, media_type="application/x-protobuf")
+        return JSONResponse(p.result)
+
+    app = Starlette(routes=[Route("/{path:path}", endpoint, methods=["GET", "POST", "PUT", "DELETE"])])
+    return Gate(app, svc, hosts, log)
 
 
-def make_server(svc: Service, host: str, port: int, log=print) -> ThreadingHTTPServer:
-    open_access = is_loopback(host)
-    if not open_access and not svc.registry.has_keys():
-        raise ConfigError(f"--host {host} is not a loopback address: create an API key first "
-                          "(retrograd serve keys create --owner NAME --state-dir DIR) so the server is not open")
-    handler = type("BoundHandler", (Handler,), {"svc": svc, "open_access": open_access, "log_fn": staticmethod(log)})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
-    return server
+def _guarded_protocol():
+    """uvicorn's h11 protocol, plus: a connection must deliver a whole request head within the
+    keep-alive timeout of opening, or of its previous response; a silent or slow one (slowloris) is
+    closed. (uvicorn's own keep-alive timer only starts after a response, and any byte cancels it.)"""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class GuardedH11(H11Protocol):
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm_request_timer()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self._arm_request_timer()
+
+        def _arm_request_timer(self):
+            self.loop.call_later(self.timeout_keep_alive, self._request_timeout, self.cycle)
+
+        def _request_timeout(self, armed_cycle):
+            if not self.transport.is_closing() and self.cycle is armed_cycle:  # no request began since
+                self.transport.close()
+    return GuardedH11
 
 
-def serve_in_thread(server: ThreadingHTTPServer) -> threading.Thread:
-    t = threading.Thread(target=server.serve_forever, name="retrograd-serve", daemon=True)
-    t.start()
-    return t
+class Server:
+    """uvicorn serving the app on (host, port); port 0 picks a free one (`.port` after `start`)."""
+
+    def __init__(self, svc: Service, host: str, port: int, public_url: str | None = None, log=print, *,
+                 keep_alive_s: float = KEEP_ALIVE_S, max_connections: int = MAX_CONNECTIONS):
+        import socket
+        import uvicorn
+        self.svc, self.host, self.log = svc, host, log
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.port = self.sock.getsockname()[1]
+        shown = f"[{host}]" if ":" in host else host
+        self.url = (public_url or f"http://{shown}:{self.port}").rstrip("/")
+        app = build_app(svc, allowed_hosts(host, self.port, public_url), self.url, log)
+        self.config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=keep_alive_s,
+                                     limit_concurrency=max_connections, lifespan="off", server_header=False,
+                                     http=_guarded_protocol())
+        self.server = uvicorn.Server(self.config)
+        self._thread: threading.Thread | None = None
+
+    def serve_forever(self) -> None:
+        asyncio.run(self.server.serve(sockets=[self.sock]))
+
+    def start(self) -> "Server":
+        """Serve in a background thread (tests, examples)."""
+        self._thread = threading.Thread(target=self.serve_forever, name="retrograd-serve", daemon=True)
+        self._thread.start()
+        while not self.server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("the server stopped while starting")
+            self._thread.join(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(10)
+        self.sock.close()

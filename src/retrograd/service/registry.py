@@ -39,10 +39,17 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def key_id(digest: str) -> str:
+    """The public name of a key (its digest's first 12 hex digits): what `keys list` shows and
+    `keys revoke` takes, and what a signed URL is bound to."""
+    return digest[:12]
+
+
 @dataclass
 class Caller:
     owner: str
     policy: str
+    key_id: str = ""
 
     @property
     def may_sample(self) -> bool:
@@ -106,8 +113,30 @@ class Registry:
         return bool(self._q("SELECT 1 FROM api_keys LIMIT 1"))
 
     def caller(self, key: str) -> Caller | None:
-        rows = self._q("SELECT owner, policy FROM api_keys WHERE key_sha256 = ?", (key_digest(key),))
-        return Caller(*rows[0]) if rows else None
+        digest = key_digest(key)
+        rows = self._q("SELECT owner, policy FROM api_keys WHERE key_sha256 = ?", (digest,))
+        return Caller(rows[0][0], rows[0][1], key_id(digest)) if rows else None
+
+    def keys(self) -> list[dict]:
+        rows = self._q("SELECT key_sha256, owner, policy, created FROM api_keys ORDER BY created")
+        return [{"key_id": key_id(d), "owner": o, "policy": p, "created": c} for d, o, p, c in rows]
+
+    def revoke_key(self, kid: str) -> dict | None:
+        """Delete the key named by its id (see key_id); its signed URLs stop working too."""
+        if not kid or len(kid) < 6 or any(c not in "0123456789abcdef" for c in kid):
+            return None
+        rows = self._q("SELECT key_sha256, owner, policy, created FROM api_keys WHERE key_sha256 LIKE ?", (kid + "%",))
+        if len(rows) != 1:
+            return None
+        self._tx([("DELETE FROM api_keys WHERE key_sha256 = ?", (rows[0][0],))])
+        return {"key_id": key_id(rows[0][0]), "owner": rows[0][1], "policy": rows[0][2], "created": rows[0][3]}
+
+    def key_owner(self, kid: str) -> str | None:
+        """The owner of the live key with this id (None once revoked)."""
+        if len(kid) != 12 or any(c not in "0123456789abcdef" for c in kid):
+            return None
+        rows = self._q("SELECT owner FROM api_keys WHERE key_sha256 LIKE ?", (kid + "%",))
+        return rows[0][0] if len(rows) == 1 else None
 
     # ---- sessions and runs -------------------------------------------------------------------------
     def add_session(self, session_id: str, owner: str, tags, user_metadata) -> None:
@@ -206,6 +235,11 @@ class Registry:
 
     def forget(self, tinker_path: str) -> None:
         self._tx([("DELETE FROM checkpoints WHERE tinker_path = ?", (tinker_path,))])
+
+    def disk_bytes(self, owner: str) -> int:
+        """Bytes of the owner's registered (unexpired) checkpoints."""
+        return int(self._q("SELECT COALESCE(SUM(size_bytes), 0) FROM checkpoints WHERE owner = ? AND "
+                           "(expires_at IS NULL OR expires_at > ?)", (owner, time.time()))[0][0])
 
     def storage_ids(self) -> set[str]:
         return {r[0] for r in self._q("SELECT storage_id FROM checkpoints")}

@@ -95,7 +95,7 @@ def manifest(svc: Service, caller: Caller, run_id: str, checkpoint_id: str, base
     row = svc._checkpoint(caller, _path(run_id, checkpoint_id))
     urls, expires = {}, 0
     for name in sorted(row.files):
-        rel, expires = svc.signer.url_path(row.storage_id, name, URL_TTL_S)
+        rel, expires = svc.signer.url_path(row.storage_id, name, URL_TTL_S, caller.key_id)
         urls[name] = base_url + rel
     return {"tinker_path": row.tinker_path, "checkpoint_type": row.kind, "step": row.step,
             "session_id": row.session_id, "files": row.files, "size_bytes": row.size_bytes, "urls": urls,
@@ -109,12 +109,14 @@ def external_urls(svc: Service, caller: Caller, run_id: str, checkpoint_id: str,
 
 def download(svc: Service, storage_id: str, filename: str, query: dict):
     """(path of the file) for a valid signed URL; 403 says why a URL is refused."""
-    why = svc.signer.check(storage_id, filename, query.get("expires"), query.get("signature"))
+    why = svc.signer.check(storage_id, filename, query.get("expires"), query.get("signature"), query.get("kid", ""))
     if why:
         raise HttpError(403, why)
     row = svc.registry.checkpoint_by_storage(storage_id)
     if row is None or filename not in row.files:
         raise HttpError(404, "this checkpoint file no longer exists (deleted or expired)")
+    if svc.registry.key_owner(query.get("kid", "")) != row.owner:
+        raise HttpError(403, "the API key this URL was issued under has been revoked")
     return svc.store.folder(storage_id) / filename
 
 

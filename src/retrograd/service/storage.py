@@ -5,9 +5,10 @@ file's size and SHA-256 written last, renamed into place) named by a random stor
 `STATE_DIR/checkpoints/`. Folder names never come from a client, so no name or path a client
 sends can reach outside the state dir.
 
-Download URLs carry `expires` and an HMAC-SHA256 of (storage id, file, expires) under a secret
-kept in `STATE_DIR/signing.key` (mode 0600, made at first start): a changed byte or a passed
-deadline is refused, and the URL needs no API key, so it can be handed to a download tool.
+Download URLs carry `expires`, the id of the API key they were issued under, and an HMAC-SHA256 of
+(storage id, file, expires, key id) under a secret kept in `STATE_DIR/signing.key` (mode 0600, made
+at first start): a changed byte, a passed deadline or a revoked key is refused, and the URL needs no
+API key, so it can be handed to a download tool.
 """
 from __future__ import annotations
 
@@ -75,22 +76,24 @@ class Signer:
                 fh.write(secrets.token_hex(32))
         self._key = bytes.fromhex(key_file.read_text().strip())
 
-    def _mac(self, storage_id: str, filename: str, expires: int) -> str:
-        msg = f"{storage_id}/{filename}/{expires}".encode()
+    def _mac(self, storage_id: str, filename: str, expires: int, kid: str) -> str:
+        msg = f"{storage_id}/{filename}/{expires}/{kid}".encode()
         return hmac.new(self._key, msg, hashlib.sha256).hexdigest()
 
-    def url_path(self, storage_id: str, filename: str, ttl_seconds: int) -> tuple[str, int]:
+    def url_path(self, storage_id: str, filename: str, ttl_seconds: int, kid: str) -> tuple[str, int]:
+        """A download path for `filename`, valid `ttl_seconds` and while the API key `kid` it was
+        issued under lives."""
         expires = int(time.time()) + ttl_seconds
-        return (f"/api/v1/files/{storage_id}/{filename}?expires={expires}&signature="
-                f"{self._mac(storage_id, filename, expires)}", expires)
+        return (f"/api/v1/files/{storage_id}/{filename}?expires={expires}&kid={kid}&signature="
+                f"{self._mac(storage_id, filename, expires, kid)}", expires)
 
-    def check(self, storage_id: str, filename: str, expires: str, signature: str) -> str | None:
+    def check(self, storage_id: str, filename: str, expires: str, signature: str, kid: str) -> str | None:
         """None when valid, else why not."""
         try:
             deadline = int(expires)
         except (TypeError, ValueError):
             return "the URL has no valid expiry"
-        if not hmac.compare_digest(self._mac(storage_id, filename, deadline), signature or ""):
+        if not hmac.compare_digest(self._mac(storage_id, filename, deadline, kid or ""), signature or ""):
             return "the URL's signature does not match (was it altered?)"
         if deadline < time.time():
             return "the URL has expired; ask the server for a new one"
