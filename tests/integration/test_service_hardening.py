@@ -294,3 +294,103 @@ def test_keys_list_and_revoke_stop_requests_and_urls(tmp_path):
         status, body, _ = _request(url, "GET", file_url)
         assert status == 403 and b"revoked" in body
         assert cli("revoke", "ffffffffffff").returncode == 2
+
+
+def test_live_runs_and_samplers_are_owner_scoped(served):
+    """Bob, knowing alice's model and sampler ids, gets "not found" on every route that touches them."""
+    svc, url, keys = served
+    tc = client(url, keys["alice"]).create_lora_training_client(base_model="tiny", rank=2, seed=0).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    sid = [k for k in svc.samplers if k.startswith(tc.model_id.split(":")[0])][-1]
+    h = {"X-API-Key": keys["bob"], "Content-Type": "application/json"}
+    for route, body in [("optim_step", {"model_id": tc.model_id, "seq_id": 5, "adam_params": {}}),
+                        ("save_weights", {"model_id": tc.model_id, "seq_id": 5, "path": "stolen"}),
+                        ("save_weights_for_sampler", {"model_id": tc.model_id, "seq_id": 5}),
+                        ("get_info", {"model_id": tc.model_id}),
+                        ("asample", {"sampling_session_id": sid, "num_samples": 1,
+                                     "prompt": {"chunks": [{"tokens": TOKENS[:3]}]}})]:
+        status, data, _ = _request(url, "POST", f"/api/v1/{route}", json.dumps(body), h)
+        assert status == 404, (route, status, data)
+    status, _, _ = _request(url, "GET", f"/api/v1/samplers/{sid}", headers=h)
+    assert status == 404
+    from tinker.proto import tinker_public_pb2 as pb
+    import numpy as np
+    msg = pb.ForwardBackwardRequest(model_id=tc.model_id, seq_id=5, loss_fn="cross_entropy")
+    d = msg.data.add()
+    d.model_input.add().encoded_text.tokens = np.asarray(TOKENS[:-1], dtype=np.int32).tobytes()
+    t = d.loss_fn_inputs["target_tokens"]
+    t.dtype, t.dense = pb.DTYPE_INT64, np.asarray(TOKENS[1:], dtype=np.int64).tobytes()
+    t.shape.append(len(TOKENS) - 1)
+    body = msg.SerializeToString()
+    assert _request(url, "POST", "/api/v1/forward_backward", body, {"X-API-Key": keys["bob"]})[0] == 404
+    # the same bytes under alice's key are a valid request (so the 404 above is the owner check)
+    ok = json.loads(_request(url, "POST", "/api/v1/forward_backward", body, {"X-API-Key": keys["alice"]})[1])
+    assert "request_id" in ok
+    # alice's own run still answers (its client continues after the raw seq 5 above)
+    assert tc.get_info().model_data.model_name == "tiny"
+    assert sampler.sample(types.ModelInput.from_ints(TOKENS[:3]), 1, types.SamplingParams(max_tokens=2)).result()
+
+
+ROUTES = ["create_session", "session_heartbeat", "create_model", "get_info", "optim_step", "save_weights",
+          "save_weights_for_sampler", "save_weights_external", "load_weights", "create_sampling_session", "asample",
+          "weights_info", "retrieve_future", "forward_backward", "client/config", "telemetry"]
+
+
+def _junk(rng):
+    """A random JSON value of a random type (wrong for any field most of the time)."""
+    kind = rng.randrange(8)
+    if kind == 0:
+        return rng.choice([None, True, False])
+    if kind == 1:
+        return rng.choice([-1, 0, 2**63, -2**40, 3])
+    if kind == 2:
+        return rng.choice([float("inf"), -0.0, 1e308, float("nan")])
+    if kind == 3:
+        return rng.choice(["", "x" * 300, "tinker://../../etc", "\u202e", "a:train:1"])
+    if kind == 4:
+        return [_junk(rng) for _ in range(rng.randrange(3))]
+    if kind == 5:
+        return {rng.choice(["model_id", "seq_id", "path", "tokens", "lora_config", "adam_params"]): _junk(rng)}
+    return rng.randrange(-5, 5)
+
+
+def test_fuzzed_requests_all_get_a_prompt_4xx_and_leave_the_server_healthy(served):
+    import random
+    import resource
+    svc, url, keys = served
+    tc = client(url, keys["bob"]).create_lora_training_client(base_model="tiny", rank=2, seed=0).result()
+    before = tc.forward([datum(TOKENS)], "cross_entropy").result().metrics["loss:sum"]
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rng = random.Random(0)
+    fields = ["session_id", "model_id", "seq_id", "base_model", "lora_config", "adam_params", "path", "prompt",
+              "num_samples", "sampling_params", "request_id", "model_seq_id", "optimizer", "ttl_seconds"]
+    slow = []
+    for i in range(300):
+        route = rng.choice(ROUTES)
+        form = rng.randrange(5)
+        if form == 0:
+            body = json.dumps({f: _junk(rng) for f in rng.sample(fields, rng.randrange(1, 6))}).encode()
+        elif form == 1:
+            body = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
+        elif form == 2:
+            body = json.dumps(_junk(rng)).encode()
+        elif form == 3:
+            body = b'{"model_id": "' + b"\xff" * 10 + b'"}'
+        else:
+            body = json.dumps({"model_id": tc.model_id, "seq_id": _junk(rng), "adam_params": _junk(rng)}).encode()
+        headers = {"X-API-Key": keys["alice"], "Content-Type": rng.choice(["application/json", "text/plain", "x/y"])}
+        status, data, seconds = _request(url, "POST", f"/api/v1/{route}", body, headers)
+        if route in ("client/config", "telemetry"):
+            assert status == 200
+            continue
+        assert 400 <= status < 500 or (status == 200 and json.loads(data)), (route, body[:80], status, data[:200])
+        if status >= 400:
+            assert json.loads(data)["error"] and "Traceback" not in data.decode() and str(svc.state_dir) not in \
+                data.decode()
+        if seconds > 1.0:
+            slow.append((route, seconds))
+    assert not slow, slow
+    # other sessions unaffected, memory flat
+    assert tc.forward([datum(TOKENS)], "cross_entropy").result().metrics["loss:sum"] == pytest.approx(before)
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) / 1024
+    assert grown_mb < 200, grown_mb

@@ -138,12 +138,14 @@ class Service:
         return session
 
     def _base(self, name) -> BaseModel:
-        if name not in self.bases:
+        if not isinstance(name, str) or name not in self.bases:
             raise HttpError(400, f"base_model {name!r} is not served here; served: {', '.join(self.bases)} "
                                  "(retrograd serve --models ...)")
         return self.bases[name]
 
     def _run(self, caller: Caller, model_id) -> str:
+        if not isinstance(model_id, str):
+            raise HttpError(400, f"model_id must be a string, got {model_id!r:.80}")
         if self.run_owner.get(model_id) != caller.owner or not self.executor.has_model(model_id):
             raise not_found(f"model {model_id!r}")
         return model_id
@@ -489,7 +491,7 @@ class Service:
         return {"sampler_id": sampler_id, "base_model": s.base.name, "model_path": s.model_path}
 
     def asample(self, caller: Caller, body: dict) -> dict:
-        sid = body.get("sampling_session_id")
+        sid = v.string(body, "sampling_session_id", required=False)
         if sid is not None:
             sampler = self.samplers.get(sid)
             if sampler is None or sampler.owner != caller.owner:

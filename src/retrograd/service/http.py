@@ -183,13 +183,13 @@ def build_app(svc: Service, hosts: set[str], base_url: str, log=print) -> Gate:
             if route == "forward_backward":
                 body = await _body(request, MAX_PROTO_BYTES)
                 return JSONResponse(await call(svc.forward_backward, caller, body))
+            static = {"client/config": CLIENT_CONFIG, "client/dynamic_config": {"refresh_interval_sec": 300},
+                      "telemetry": {"status": "accepted"}}
+            if route in static:  # the body is not read (telemetry is accepted and dropped)
+                return JSONResponse(static[route])
             body = await _json(request)
             if route == "retrieve_future":
                 return await _retrieve(caller, body)
-            static = {"client/config": CLIENT_CONFIG, "client/dynamic_config": {"refresh_interval_sec": 300},
-                      "telemetry": {"status": "accepted"}}
-            if route in static:
-                return JSONResponse(static[route])
             simple = {"create_session": svc.create_session, "session_heartbeat": svc.heartbeat,
                       "create_model": svc.create_model, "get_info": svc.get_info, "optim_step": svc.optim_step,
                       "save_weights": svc.save_weights, "save_weights_for_sampler": svc.save_weights_for_sampler,
