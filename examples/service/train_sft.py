@@ -2,14 +2,16 @@
 checkpoints, resume and verified downloads.
 
     retrograd serve &                                   # http://127.0.0.1:8000, built-in SmolLM2
-    export TINKER_BASE_URL=http://127.0.0.1:8000 TINKER_API_KEY=tml-local
+    export TINKER_BASE_URL=http://127.0.0.1:8000 TINKER_API_KEY=$(cat ~/.cache/retrograd/serve/api-key)
     python examples/service/train_sft.py --max-steps 4 --batch-size 4 --save-every 2 --output-dir out/sft
     python examples/service/train_sft.py --resume-from "$(jq -r .path out/sft/latest-checkpoint.json)" \
         --start-step 4 --max-steps 8 --batch-size 4 --save-every 2 --skip-sample --verify-download \
         --output-dir out/sft-resumed
 
 After every save it writes OUTPUT_DIR/latest-checkpoint.json (path, step, model, dataset): a locator,
-not the weights. --resume-from restores weights and optimizer state and skips start_step x
+not the weights. Each checkpoint records, in its user_metadata on the server, the dataset it was
+trained on and the SHA-256 of its datums. --resume-from restores weights and optimizer state, refuses
+a dataset other than the checkpoint's (by content, whatever its name), and skips start_step x
 batch_size datums of the same dataset order. --verify-download finishes the session, downloads the
 last checkpoint's files through the server's signed URLs into OUTPUT_DIR/verified-checkpoint/,
 checks sizes and SHA-256 against the server's manifest and writes durable-verification.json.
@@ -107,13 +109,32 @@ def verify_download(base_url: str, locator: dict, out: Path) -> dict:
     return report
 
 
+def datums_sha256(datums) -> str:
+    """What the run trains on, by content: the SHA-256 of every datum's tokens and weights, in order."""
+    h = hashlib.sha256()
+    for d in datums:
+        h.update(json.dumps([d.model_input.to_ints(), d.loss_fn_inputs["weights"].tolist()]).encode())
+    return h.hexdigest()
+
+
+def checkpoint_metadata(path: str) -> dict:
+    """The user_metadata a checkpoint was saved with (the server's registry keeps it)."""
+    import tinker
+    run_id = path.split("/")[2]
+    listed = tinker.RestClient().list_checkpoints(run_id).result().checkpoints
+    return next((dict(c.user_metadata or {}) for c in listed if c.tinker_path == path), {})
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import tinker
     from tinker import types
 
     base_url = os.environ.get("TINKER_BASE_URL", "http://127.0.0.1:8000").rstrip("/")
-    os.environ.setdefault("TINKER_API_KEY", "tml-local")
+    if not os.environ.get("TINKER_API_KEY"):
+        print("error: set TINKER_API_KEY (retrograd serve wrote one for you to $RETROGRAD_HOME/serve/api-key)",
+              file=sys.stderr)
+        return 2
     args.output_dir.mkdir(parents=True, exist_ok=True)
     sc = tinker.ServiceClient(base_url=base_url)
     if args.resume_from:
@@ -125,7 +146,15 @@ def main(argv=None) -> int:
     else:
         tc = sc.create_lora_training_client(base_model=args.base_model, rank=args.lora_rank, seed=args.seed).result()
     datums = load_datums(tc.get_tokenizer(), args.dataset, args.max_length)
+    data_sha256 = datums_sha256(datums)
     print(f"model {tc.model_id} ({args.base_model}), {len(datums)} datums from {args.dataset}")
+    if args.resume_from:  # the checkpoint says what it was trained on: refuse other data
+        trained_on = checkpoint_metadata(args.resume_from)
+        if trained_on.get("data_sha256") not in (None, data_sha256):
+            print(f"error: {args.resume_from} was trained on {trained_on.get('dataset')!r} (datums SHA-256 "
+                  f"{trained_on['data_sha256'][:12]}), but --dataset {args.dataset!r} gives {data_sha256[:12]}: "
+                  "resume with the checkpoint's dataset, or start a new run", file=sys.stderr)
+            return 2
 
     locator, metrics = None, (args.output_dir / "metrics.jsonl").open("a")
     for step in range(args.start_step, args.max_steps):
@@ -140,7 +169,8 @@ def main(argv=None) -> int:
         metrics.flush()
         print(f"step {step + 1}/{args.max_steps}  nll {loss:.4f}")
         if (step + 1) % args.save_every == 0 or step + 1 == args.max_steps:
-            path = tc.save_state(f"step-{step + 1:06d}").result().path
+            path = tc.save_state(f"step-{step + 1:06d}", user_metadata={
+                "dataset": args.dataset, "data_sha256": data_sha256, "step": str(step + 1)}).result().path
             locator = {"path": path, "step": step + 1, "model": args.base_model, "dataset": args.dataset}
             write_json(args.output_dir / "latest-checkpoint.json", locator)
             print(f"saved {path}")

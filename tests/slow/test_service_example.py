@@ -40,6 +40,12 @@ def test_example_train_resume_verify_and_sample(tmp_path, real_home):
         bad = _example(server, "--resume-from", locator["path"], "--start-step", "4", "--max-steps", "4",
                        "--output-dir", str(tmp_path / "bad"))
         assert bad.returncode == 2 and "must exceed --start-step" in bad.stderr
+        other = tmp_path / "other.jsonl"  # another dataset: the checkpoint's metadata refuses it
+        other.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                  {"role": "assistant", "content": "hello"}]}) + "\n")
+        wrong = _example(server, "--resume-from", locator["path"], "--start-step", "4", "--max-steps", "6",
+                         "--dataset", str(other), "--skip-sample", "--output-dir", str(tmp_path / "wrong"))
+        assert wrong.returncode == 2 and "was trained on 'builtin:chat-sft'" in wrong.stderr
 
         second = _example(server, "--resume-from", locator["path"], "--start-step", "4", "--max-steps", "6",
                           "--batch-size", "2", "--save-every", "1", "--skip-sample", "--verify-download",

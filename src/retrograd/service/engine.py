@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from retrograd.algorithms.optim import clip_gradients
+from retrograd.algorithms.optim import Dimuon, clip_gradients
 from retrograd.algorithms.tinker_losses import REQUIRED_INPUTS, datum_loss, resolve_config
 from retrograd.models.lora import ALIASES, attach_lora, block_linear_names
 from retrograd.models.logprobs import Scorer
@@ -47,6 +47,7 @@ class BaseModel:
     tokenizer_dir: str  # a local folder AutoTokenizer.from_pretrained can read (get_tokenizer)
     arch: str
     max_context: int
+    hub_id: str | None = None  # the tokenizer's Hugging Face id, for clients on other machines
 
 
 def lora_modules(model, train_attn: bool, train_mlp: bool) -> list[str]:
@@ -69,6 +70,7 @@ class Run:
     params: dict[str, torch.nn.Parameter] = field(default_factory=dict)
     optimizer: torch.optim.Optimizer | None = None
     steps: int = 0  # optimizer steps taken (a checkpoint's `step`)
+    optimizer_kind: str = "adamw"  # or "dimuon" (chosen at creation, as in Tinker)
 
     @classmethod
     def create(cls, run_id: str, base: BaseModel, rank: int, alpha: float, seed: int, train_attn=True,
@@ -78,8 +80,9 @@ class Run:
         modules = lora_modules(base.model, train_attn, train_mlp)
         model, _ = attach_lora(shared_copy(base.model), rank, alpha, modules, 0.0, seed)
         model.train()
+        # the LM head is never adapted here: train_unembed is reported as false, whatever was asked
         lora = {"rank": rank, "alpha": alpha, "modules": modules, "seed": seed, "train_attn": train_attn,
-                "train_mlp": train_mlp, "train_unembed": train_unembed}
+                "train_mlp": train_mlp, "train_unembed": False}
         run = cls(run_id, base, model, lora)
         run.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         return run
@@ -104,11 +107,16 @@ class Run:
                 outputs[i] = lp.detach().float().numpy()
         return outputs, {"loss:sum": total}
 
-    def optim_step(self, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                   grad_clip_norm: float) -> dict:
+    def optim_step(self, lr: float, beta1: float, grad_clip_norm: float, beta2: float = 0.95, eps: float = 1e-12,
+                   weight_decay: float = 0.0) -> dict:
+        """One step of the run's optimizer with this step's hyperparameters (AdamW reads them all,
+        Dimuon lr and beta1)."""
         optimizer = self.ensure_optimizer()
         for g in optimizer.param_groups:
-            g.update(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
+            if self.optimizer_kind == "dimuon":
+                g.update(lr=lr, beta1=beta1)
+            else:
+                g.update(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
         norm = clip_gradients(list(self.params.values()), grad_clip_norm)  # the norm before clipping
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -130,7 +138,9 @@ class Run:
 
     def ensure_optimizer(self) -> torch.optim.Optimizer:
         if self.optimizer is None:  # hyperparameters are set again by every optim_step
-            self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=0.0, betas=(0.9, 0.95), eps=1e-12)
+            params = list(self.params.values())
+            self.optimizer = (Dimuon(params, lr=0.0) if self.optimizer_kind == "dimuon" else
+                              torch.optim.AdamW(params, lr=0.0, betas=(0.9, 0.95), eps=1e-12))
         return self.optimizer
 
     # ---- sampling ------------------------------------------------------------------------------
@@ -238,7 +248,17 @@ def read_base(name: str, path: str, log=print) -> BaseModel:
     tok_dir = str(folder if folder.is_dir() else _converted_folder(loaded))
     cfg = model.config
     return BaseModel(name, path, model, loaded.tokenizer, tok_dir, getattr(cfg, "model_type", "unknown"),
-                     int(getattr(cfg, "max_position_embeddings", 2048) or 2048))
+                     int(getattr(cfg, "max_position_embeddings", 2048) or 2048), hub_id(path))
+
+
+def hub_id(path: str) -> str | None:
+    """The Hugging Face id of a served model's tokenizer when known: the built-in's upstream, or a
+    name given as hf:ORG/NAME."""
+    from retrograd.models.builtin import BUILTINS
+    spec = BUILTINS.get(path.removeprefix("builtin:"))
+    if spec is not None:
+        return spec.hub_id
+    return path.removeprefix("hf:") if path.startswith("hf:") else None
 
 
 def _converted_folder(loaded) -> str:

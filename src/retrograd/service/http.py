@@ -99,7 +99,9 @@ class Gate:
                 refusal = _error(401, "unknown or revoked API key (the server's user finds theirs in the state "
                                       "dir's api-key file; more with: retrograd serve keys create --owner NAME)")
             else:
-                scope.setdefault("state", {})["caller"] = caller
+                import dataclasses
+                client = (scope.get("client") or ("", 0))[0]
+                scope.setdefault("state", {})["caller"] = dataclasses.replace(caller, local=is_loopback(client or ""))
         if refusal is None:
             limit = MAX_PROTO_BYTES if path == "/api/v1/forward_backward" else MAX_JSON_BYTES
             length = headers.get("content-length")
@@ -198,9 +200,14 @@ def build_app(svc: Service, hosts: set[str], base_url: str, log=print) -> Gate:
                       "weights_info": lambda c, b: rest.weights_info(svc, c, b)}
             if route in simple:
                 return JSONResponse(await call(simple[route], caller, body))
+            if route == "copy_weights":
+                return JSONResponse(await call(svc.copy_weights, caller, body))
             m = re.fullmatch(r"sessions/(?P<sid>[^/]+)/finish", route)
             if m:
                 return JSONResponse(await call(svc.finish_session, caller, m["sid"]))
+            m = re.fullmatch(rf"training_runs/{_RUN}/checkpoints/{_CKPT}/publish", route)
+            if m:
+                return JSONResponse(await call(rest.publish, svc, caller, m["run"], m["ckpt"], True))
         if method == "GET":
             if route == "get_server_capabilities":
                 return JSONResponse(await call(rest.capabilities, svc))
@@ -232,6 +239,9 @@ def build_app(svc: Service, hosts: set[str], base_url: str, log=print) -> Gate:
                 fn = rest.manifest if m["what"] == "manifest" else rest.external_urls
                 return JSONResponse(await call(fn, svc, caller, m["run"], m["ckpt"], base_url))
         if method == "DELETE":
+            m = re.fullmatch(rf"training_runs/{_RUN}/checkpoints/{_CKPT}/publish", route)
+            if m:
+                return JSONResponse(await call(rest.publish, svc, caller, m["run"], m["ckpt"], False))
             m = re.fullmatch(rf"training_runs/{_RUN}/checkpoints/{_CKPT}", route)
             if m:
                 return JSONResponse(await call(rest.delete_checkpoint, svc, caller, m["run"], m["ckpt"]))

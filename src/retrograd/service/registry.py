@@ -29,7 +29,7 @@ CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, session_id TEXT NOT NU
 CREATE TABLE IF NOT EXISTS checkpoints (tinker_path TEXT PRIMARY KEY, storage_id TEXT NOT NULL UNIQUE,
     owner TEXT NOT NULL, session_id TEXT NOT NULL, run_id TEXT NOT NULL, kind TEXT NOT NULL, name TEXT NOT NULL,
     step INTEGER NOT NULL, files TEXT NOT NULL, size_bytes INTEGER NOT NULL, created REAL NOT NULL,
-    expires_at REAL, user_metadata TEXT);
+    expires_at REAL, user_metadata TEXT, public INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS checkpoints_session ON checkpoints (owner, session_id);
 CREATE INDEX IF NOT EXISTS checkpoints_run ON checkpoints (owner, run_id);
 """
@@ -50,6 +50,7 @@ class Caller:
     owner: str
     policy: str
     key_id: str = ""
+    local: bool = True  # the request came from this machine (loopback)
 
     @property
     def may_sample(self) -> bool:
@@ -71,6 +72,7 @@ class CheckpointRow:
     created: float
     expires_at: float | None
     user_metadata: dict | None
+    public: bool = False  # published: loadable (read-only) by every owner of this server
 
     @property
     def checkpoint_id(self) -> str:
@@ -85,6 +87,9 @@ class Registry:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        columns = {r[1] for r in self._db.execute("PRAGMA table_info(checkpoints)").fetchall()}
+        if "public" not in columns:  # a registry written before checkpoints could be published
+            self._db.execute("ALTER TABLE checkpoints ADD COLUMN public INTEGER NOT NULL DEFAULT 0")
 
     def _q(self, sql: str, args=()) -> list[tuple]:
         with self._lock:
@@ -182,19 +187,31 @@ class Registry:
         stmts = []
         if replace:
             stmts.append(("DELETE FROM checkpoints WHERE tinker_path = ?", (row.tinker_path,)))
-        stmts.append(("INSERT INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        stmts.append((f"INSERT INTO checkpoints ({self._COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                       (row.tinker_path, row.storage_id, row.owner, row.session_id, row.run_id, row.kind, row.name,
                        row.step, json.dumps(row.files), row.size_bytes, row.created, row.expires_at,
-                       json.dumps(row.user_metadata) if row.user_metadata is not None else None)))
+                       json.dumps(row.user_metadata) if row.user_metadata is not None else None, int(row.public))))
         self._tx(stmts)
 
     _COLS = ("tinker_path, storage_id, owner, session_id, run_id, kind, name, step, files, size_bytes, created, "
-             "expires_at, user_metadata")
+             "expires_at, user_metadata, public")
 
     def checkpoint(self, tinker_path: str, owner: str) -> CheckpointRow | None:
         rows = self._q(f"SELECT {self._COLS} FROM checkpoints WHERE tinker_path = ? AND owner = ? "
                        "AND (expires_at IS NULL OR expires_at > ?)", (tinker_path, owner, time.time()))
         return _ckpt(rows[0]) if rows else None
+
+    def readable_checkpoint(self, tinker_path: str, owner: str) -> CheckpointRow | None:
+        """The owner's own checkpoint, or anyone's published one (read-only uses: load, sample, copy)."""
+        rows = self._q(f"SELECT {self._COLS} FROM checkpoints WHERE tinker_path = ? AND (owner = ? OR public = 1) "
+                       "AND (expires_at IS NULL OR expires_at > ?)", (tinker_path, owner, time.time()))
+        return _ckpt(rows[0]) if rows else None
+
+    def set_public(self, tinker_path: str, owner: str, public: bool) -> bool:
+        found = self.checkpoint(tinker_path, owner) is not None
+        if found:
+            self._tx([("UPDATE checkpoints SET public = ? WHERE tinker_path = ?", (int(public), tinker_path))])
+        return found
 
     def checkpoint_by_storage(self, storage_id: str) -> CheckpointRow | None:
         rows = self._q(f"SELECT {self._COLS} FROM checkpoints WHERE storage_id = ? "
@@ -252,4 +269,4 @@ def _run_dict(r) -> dict:
 
 def _ckpt(r) -> CheckpointRow:
     return CheckpointRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], json.loads(r[8]), r[9], r[10], r[11],
-                         json.loads(r[12]) if r[12] else None)
+                         json.loads(r[12]) if r[12] else None, bool(r[13]))

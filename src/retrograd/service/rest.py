@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 
-from retrograd.service.api import (URL_TTL_S, HttpError, Service, checkpoint_json, iso, not_found, parse_path)
+from retrograd.service.api import (URL_TTL_S, HttpError, Service, checkpoint_json, iso, not_found, optimizer_config,
+                                   parse_path)
 from retrograd.service.registry import Caller
 
 
@@ -71,6 +72,13 @@ def delete_checkpoint(svc: Service, caller: Caller, run_id: str, checkpoint_id: 
     return {}
 
 
+def publish(svc: Service, caller: Caller, run_id: str, checkpoint_id: str, public: bool) -> dict:
+    """Publish (or unpublish) an owned checkpoint: every owner of this server may then load it, read-only."""
+    if not svc.registry.set_public(_path(run_id, checkpoint_id), caller.owner, public):
+        raise not_found(f"checkpoint tinker://{run_id}/{checkpoint_id}")
+    return {}
+
+
 def set_ttl(svc: Service, caller: Caller, run_id: str, checkpoint_id: str, body: dict) -> dict:
     ttl = body.get("ttl_seconds")
     if ttl is not None and (not isinstance(ttl, int) or ttl <= 0):
@@ -81,12 +89,21 @@ def set_ttl(svc: Service, caller: Caller, run_id: str, checkpoint_id: str, body:
 
 
 def weights_info(svc: Service, caller: Caller, body: dict) -> dict:
-    row = svc._checkpoint(caller, body.get("tinker_path"))
-    run = svc.registry.run(row.run_id, caller.owner)
+    row = svc._checkpoint(caller, body.get("tinker_path"), readable=True)
+    run = svc.registry.run(row.run_id, row.owner)
     lora = run["lora"]
     return {"base_model": run["base_model"], "is_lora": True, "lora_rank": lora["rank"],
             "train_attn": lora["train_attn"], "train_mlp": lora["train_mlp"],
-            "train_unembed": lora.get("train_unembed", False), "optimizer_config": {"type": "adamw"}}
+            "train_unembed": False, "optimizer_config": optimizer_config(row_optimizer(svc, row))}
+
+
+def row_optimizer(svc: Service, row) -> str:
+    """The optimizer a checkpoint was trained with (its manifest's; adamw before Dimuon existed)."""
+    try:
+        _, meta = svc._verified(row)
+    except HttpError:
+        return "adamw"
+    return meta.get("service", {}).get("optimizer", "adamw")
 
 
 def manifest(svc: Service, caller: Caller, run_id: str, checkpoint_id: str, base_url: str) -> dict:

@@ -54,6 +54,14 @@ class CheckpointStore:
         files[MANIFEST] = {"bytes": (final / MANIFEST).stat().st_size, "sha256": sha256_file(final / MANIFEST)}
         return storage_id, files, sum(f["bytes"] for f in files.values())
 
+    def copy(self, storage_id: str) -> str:
+        """A copy of a complete checkpoint folder under a new storage id (staged, then renamed)."""
+        new = uuid.uuid4().hex
+        staging = self.root / f".copy-{new}"
+        shutil.copytree(self.folder(storage_id), staging)
+        os.replace(staging, self.root / new)
+        return new
+
     def remove(self, storage_id: str) -> None:
         shutil.rmtree(self.folder(storage_id), ignore_errors=True)
 

@@ -1,0 +1,121 @@
+"""Tinker 0.38 features through the unmodified SDK: the Dimuon optimizer, prompt log-probs of the
+last N tokens only, publishing checkpoints to the server's other owners, copy_weights, an honest
+train_unembed, and a tokenizer id that a client on another machine can resolve."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import tinker
+import torch
+from tinker import types
+
+from service_util import KEYS, client, datum, rest, running_service
+from tiny import make_model_dir
+
+TOKENS = [5 + (7 * i) % 40 for i in range(20)]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("parity")
+    model = make_model_dir(tmp / "model")
+    with running_service(tmp / "state", {"tiny": model}) as (svc, url):
+        yield svc, url, {"alice": KEYS[url], "bob": svc.registry.create_key("bob")}
+
+
+def test_dimuon_steps_are_orthogonalised_momentum(served):
+    from retrograd.algorithms.optim import Dimuon, orthogonalised
+    svc, url, keys = served
+    tc = client(url).create_lora_training_client(base_model="tiny", rank=4, seed=0,
+                                                 optimizer=types.DimuonOptimizerConfig()).result()
+    assert tc.get_info().optimizer_config.type == "dimuon"
+    run = svc.runs[tc.model_id]
+    before = {n: p.detach().clone() for n, p in run.params.items()}
+    tc.forward_backward([datum(TOKENS)], "cross_entropy").result()
+    grads = {n: p.grad.detach().clone() for n, p in run.params.items() if p.grad is not None}
+    tc.optim_step(types.DimuonParams(learning_rate=0.01, beta1=0.9)).result()
+    for n, g in grads.items():  # first step: m = 0.1 g, and the step is -lr * polar(m)
+        want = before[n] - 0.01 * orthogonalised(0.1 * g)
+        assert torch.allclose(run.params[n].detach(), want, atol=1e-6), n
+    b = next(n for n in grads if "lora_B" in n)  # (lora_A's gradient is 0 while B starts at 0)
+    step = run.params[b].detach() - before[b]
+    assert math.isclose(float(step.norm()), 0.01 * math.sqrt(4), rel_tol=1e-4)  # Frobenius lr * sqrt(rank)
+    losses = []
+    for _ in range(6):
+        losses.append(tc.forward_backward([datum(TOKENS)], "cross_entropy").result().metrics["loss:sum"])
+        tc.optim_step(types.DimuonParams(learning_rate=0.02)).result()
+    assert losses[-1] < losses[0]
+    with pytest.raises(tinker.BadRequestError, match="dimuon"):  # the optimizer is fixed at creation
+        c = client(url).create_lora_training_client(base_model="tiny", rank=4, seed=0,
+                                                    optimizer=types.DimuonOptimizerConfig()).result()
+        c.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    path = tc.save_state("dimuon").result().path  # the kind and its momentum travel in the checkpoint
+    again = client(url).create_training_client_from_state_with_optimizer(path).result()
+    assert again.get_info().optimizer_config.type == "dimuon"
+    assert isinstance(svc.runs[again.model_id].ensure_optimizer(), Dimuon)
+
+
+def test_prompt_logprobs_of_the_last_n_tokens(served):
+    _, url, _ = served
+    s = client(url).create_sampling_client(base_model="tiny").result()
+    prompt = types.ModelInput.from_ints(TOKENS)
+    full = s.compute_logprobs(prompt).result()
+    last = s.compute_logprobs(prompt, prompt_logprobs_last_n=5).result()
+    assert all(x is None for x in last[:-5]) and len(last) == len(full)
+    assert np.allclose(last[-5:], full[-5:], atol=1e-5)
+    out = s.sample(prompt, 1, types.SamplingParams(max_tokens=1), include_prompt_logprobs=True,
+                   topk_prompt_logprobs=3, prompt_logprobs_last_n=4).result()
+    top = out.topk_prompt_logprobs
+    assert top is not None and len(top) == len(TOKENS)
+    scored = [row for row in top[-4:]]
+    assert all(len(row) == 3 for row in scored)
+    with pytest.raises(tinker.BadRequestError, match="prompt_logprobs_last_n"):
+        s.sample(prompt, 1, types.SamplingParams(max_tokens=1), include_prompt_logprobs=True,
+                 prompt_logprobs_last_n=len(TOKENS)).result()
+
+
+def test_publish_and_copy_weights(served):
+    svc, url, keys = served
+    tc = client(url, keys["alice"]).create_lora_training_client(base_model="tiny", rank=2, seed=0).result()
+    tc.forward_backward([datum(TOKENS)], "cross_entropy")
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    path = tc.save_state("shared").result().path
+    loss = tc.forward([datum(TOKENS)], "cross_entropy").result().metrics["loss:sum"]
+    bob, alice_rest, bob_rest = client(url, keys["bob"]), rest(url, keys["alice"]), rest(url, keys["bob"])
+    with pytest.raises(tinker.NotFoundError):
+        bob.create_training_client_from_state(path).result()
+    alice_rest.publish_checkpoint_from_tinker_path(path).result()
+    [c] = [c for c in alice_rest.list_checkpoints(tc.model_id).result().checkpoints if c.tinker_path == path]
+    assert c.public
+    loaded = bob.create_training_client_from_state(path).result()  # published: bob may load it ...
+    assert loaded.forward([datum(TOKENS)], "cross_entropy").result().metrics["loss:sum"] == pytest.approx(loss, rel=1e-5)
+    with pytest.raises(tinker.NotFoundError):  # ... but not delete it
+        bob_rest.delete_checkpoint_from_tinker_path(path).result()
+    copy = bob_rest.copy_weights(path, destination_project_id="bobs").result()  # and copy it into his own
+    copied = copy.tinker_path if hasattr(copy, "tinker_path") else copy
+    assert copied != path and copied.endswith("/weights/shared")
+    assert copied in {c.tinker_path for c in bob_rest.list_user_checkpoints().result().checkpoints}
+    alice_rest.unpublish_checkpoint_from_tinker_path(path).result()
+    with pytest.raises(tinker.NotFoundError):
+        bob.create_training_client_from_state(path).result()
+    alice_rest.delete_checkpoint_from_tinker_path(path).result()  # the copy is bob's own, unaffected
+    again = bob.create_training_client_from_state(copied).result()
+    assert again.forward([datum(TOKENS)], "cross_entropy").result().metrics["loss:sum"] == pytest.approx(loss, rel=1e-5)
+
+
+def test_train_unembed_is_reported_honestly_and_tokenizer_ids(served):
+    from retrograd.service.registry import Caller
+    svc, url, keys = served
+    tc = client(url).create_lora_training_client(base_model="tiny", rank=2, seed=0, train_unembed=True).result()
+    path = tc.save_state("u").result().path
+    assert rest(url).get_weights_info_by_tinker_path(path).result().train_unembed is False
+    svc.bases["tiny"].hub_id = "org/tiny-tokenizer"
+    try:
+        local = svc.get_info(Caller("local", "rollout-enabled"), {"model_id": tc.model_id})
+        remote = svc.get_info(Caller("local", "rollout-enabled", local=False), {"model_id": tc.model_id})
+    finally:
+        svc.bases["tiny"].hub_id = None
+    assert local["model_data"]["tokenizer_id"] == svc.bases["tiny"].tokenizer_dir  # a folder on this machine
+    assert remote["model_data"]["tokenizer_id"] == "org/tiny-tokenizer"  # a name another machine resolves
