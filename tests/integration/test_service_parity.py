@@ -119,3 +119,60 @@ def test_train_unembed_is_reported_honestly_and_tokenizer_ids(served):
         svc.bases["tiny"].hub_id = None
     assert local["model_data"]["tokenizer_id"] == svc.bases["tiny"].tokenizer_dir  # a folder on this machine
     assert remote["model_data"]["tokenizer_id"] == "org/tiny-tokenizer"  # a name another machine resolves
+
+
+def _is_loss(logprobs, logprobs_q, advantages):
+    ratio = torch.exp(logprobs - logprobs_q)
+    return -(ratio * advantages).sum(), {"custom/ratio_mean:mean": ratio.mean(), "custom/tokens:sum": (ratio * 0 + 1).sum()}
+
+
+def test_server_side_custom_loss_equals_the_built_in(served):
+    svc, url, _ = served
+    sc = client(url)
+    handle = sc.create_custom_loss(_is_loss, {"logprobs": 1, "logprobs_q": 1, "advantages": 1}).result()
+    assert handle.loss_id  # stored on the server (client config custom_loss_server_side)
+    tc = sc.create_lora_training_client(base_model="tiny", rank=2, seed=0).result()
+    rng = np.random.default_rng(0)
+    q = (-rng.uniform(1, 4, len(TOKENS) - 1)).tolist()
+    adv = rng.normal(size=len(TOKENS) - 1).tolist()
+    d = [datum(TOKENS, logprobs_q=np.asarray(q, dtype=np.float32), advantages=adv)]
+    builtin = datum(TOKENS, logprobs=q, advantages=adv)
+    custom = tc.forward_backward_custom(d, handle).result()
+    run = svc.runs[tc.model_id]
+    g_custom = {n: p.grad.clone() for n, p in run.params.items() if p.grad is not None}
+    run.model.zero_grad()
+    ref = tc.forward_backward([builtin], "importance_sampling").result()
+    g_ref = {n: p.grad.clone() for n, p in run.params.items() if p.grad is not None}
+    assert "surrogate_loss:sum" not in custom.metrics  # run by the server, not by the SDK's client-side path
+    assert custom.metrics["loss:sum"] == pytest.approx(ref.metrics["loss:sum"], rel=1e-5)
+    assert custom.metrics["custom/tokens:sum"] == len(TOKENS) - 1 and 0 < custom.metrics["custom/ratio_mean:mean"]
+    assert g_ref.keys() == g_custom.keys() and g_ref
+    for n in g_ref:  # the same gradient as the built-in loss
+        assert torch.allclose(g_ref[n], g_custom[n], rtol=1e-4, atol=1e-8), n
+
+
+@pytest.mark.parametrize("node,message", [
+    ({"op": "call_function", "name": "x", "target": "os.system", "args": ["ls"]}, "not an allowed function"),
+    ({"op": "call_module", "name": "x", "target": "lin", "args": []}, "not allowed"),
+    ({"op": "get_attr", "name": "x", "target": "secret", "args": []}, "not allowed"),
+    ({"op": "call_method", "name": "x", "target": "numpy", "args": [{"ref": "logprobs"}]}, "not allowed"),
+    ({"op": "call_function", "name": "x", "target": "builtins.getattr", "args": [{"ref": "logprobs"}, "__class__"]},
+     "getattr"),
+    ({"op": "call_function", "name": "x", "target": "torch.exp", "args": [{"ref": "nowhere"}]}, "before it is defined"),
+])
+def test_custom_loss_graphs_are_rebuilt_from_an_allowlist(served, node, message):
+    import json
+    import urllib.request
+    svc, url, _ = served
+    sc = client(url)
+    sc.create_sampling_client(base_model="tiny").result()  # makes the session
+    session = list(svc.last_seen)[-1]
+    graph = {"format": 1, "nodes": [{"op": "placeholder", "name": "logprobs", "target": "logprobs"}, node,
+                                    {"op": "output", "name": "output", "target": "output",
+                                     "args": [{"tuple": [{"ref": "logprobs"}, {"dict": {}}]}]}]}
+    req = urllib.request.Request(f"{url}/api/v1/create_custom_loss", data=json.dumps(
+        {"session_id": session, "custom_loss_seq_id": 0, "name": "evil", "inputs": [{"name": "logprobs", "rank": 1}],
+         "graph": graph}).encode(), headers={"X-API-Key": KEYS[url], "Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 400 and message in json.loads(e.value.read())["error"]

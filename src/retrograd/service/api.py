@@ -108,6 +108,7 @@ class Service:
         self.runs: dict[str, Run] = {}
         self.run_owner: dict[str, str] = {}
         self.samplers: dict[str, Sampler] = {}  # in creation order (the oldest of a session leaves first)
+        self.custom_losses: dict[tuple[str, str], object] = {}  # (owner, loss id) -> custom_loss.CustomLoss
         self.hosts: dict[tuple, Run] = {}  # models that carry sampler tensors when their run is not live
         self.last_seen: dict[str, float] = {}  # session -> last request (heartbeats every 10 s)
         self.sweep()
@@ -304,11 +305,29 @@ class Service:
             raise HttpError(400, f"forward_backward of {tokens} tokens exceeds this server's {self.limits.batch_tokens} "
                                  "per request; send fewer datums per call")
 
+        custom = None
+        if req.loss_fn == "custom":  # a loss this session created with create_custom_loss
+            loss_id = req.loss_fn_config.get("loss_id")
+            custom = self.custom_losses.get((caller.owner, loss_id)) if isinstance(loss_id, str) else None
+            if custom is None:
+                raise not_found(f"custom loss {loss_id!r}")
+
         def job():
             outs, metrics = self.runs[req.model_id].forward_backward(req.data, req.loss_fn, req.loss_fn_config,
-                                                                     req.forward_only)
+                                                                     req.forward_only, custom)
             return wire.encode_forward_backward_output(outs, metrics)
         return self._ordered(caller, {"model_id": req.model_id, "seq_id": req.seq_id}, job)
+
+    def create_custom_loss(self, caller: Caller, body: dict) -> dict:
+        """Store a traced per-datum loss (checked against service/custom_loss.py's allowlists)."""
+        from retrograd.service import custom_loss
+        session = self._live_session(caller, body.get("session_id"))
+        loss = custom_loss.build(body)
+        loss_id = f"{session}:loss:{v.integer(body, 'custom_loss_seq_id', 0, lo=0)}"
+        self.custom_losses[(caller.owner, loss_id)] = loss
+        self.log(f"{caller.owner}: custom loss {loss.name!r} ({len(loss.nodes)} nodes) as {loss_id}")
+        return {"request_id": self.executor.submit(caller.owner, lambda: {"type": "create_custom_loss",
+                                                                            "loss_id": loss_id})}
 
     def optim_step(self, caller: Caller, body: dict) -> dict:
         model_id = self._run(caller, body.get("model_id"))
