@@ -21,7 +21,8 @@ TOKENS = [5 + (7 * i) % 40 for i in range(20)]
 def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("parity")
     model = make_model_dir(tmp / "model")
-    with running_service(tmp / "state", {"tiny": model}) as (svc, url):
+    from retrograd.service.api import Limits
+    with running_service(tmp / "state", {"tiny": model}, limits=Limits(models_per_owner=64)) as (svc, url):
         yield svc, url, {"alice": KEYS[url], "bob": svc.registry.create_key("bob")}
 
 
@@ -176,3 +177,48 @@ def test_custom_loss_graphs_are_rebuilt_from_an_allowlist(served, node, message)
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=30)
     assert e.value.code == 400 and message in json.loads(e.value.read())["error"]
+
+
+def test_stable_reinforce_uses_the_server_recorded_logprobs(served):
+    svc, url, _ = served
+    tc = client(url).create_lora_training_client(base_model="tiny", rank=2, seed=0).result()
+    sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    prompt = TOKENS[:6]
+    out = sampler.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=5, seed=0)).result()
+    seq = out.sequences[0]
+    sampled, q = list(seq.tokens), list(seq.logprobs)
+    assert seq.sequence_id in svc.recorded
+    adv = [0.0] * (len(prompt) - 1) + [1.5] * len(sampled)
+    d = types.Datum(model_input=types.ModelInput.from_ints(prompt + sampled[:-1]),
+                    loss_fn_inputs={"target_tokens": prompt[1:] + sampled, "advantages": adv})
+    spans_in = [types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=0, length=len(prompt)),
+                types.SampledProvenanceSpan(sequence_id=seq.sequence_id, offset=0, length=len(sampled) - 1)]
+    spans_out = [types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=len(prompt) - 1),
+                 types.SampledProvenanceSpan(sequence_id=seq.sequence_id, offset=0, length=len(sampled))]
+    d = d.with_provenance(model_input=spans_in, loss_fn_inputs=spans_out)
+    lp = np.asarray(tc.forward([d], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].data, dtype=np.float64)
+    got = tc.forward([d], "stable_reinforce").result().metrics["loss:sum"]
+    n = len(prompt) - 1
+    ratio = np.exp(lp[n:] - np.asarray(q))
+    assert got == pytest.approx(-(np.minimum(ratio, 2.0) * 1.5 * lp[n:]).sum(), rel=1e-4)
+    # a client cannot substitute its own "sampler" log-probs, nor claim tokens that were not sampled
+    forged = types.Datum(model_input=d.model_input, loss_fn_inputs={
+        "target_tokens": prompt[1:] + [(t + 1) % 200 for t in sampled], "advantages": adv}).with_provenance(
+        model_input=spans_in, loss_fn_inputs=spans_out)
+    with pytest.raises(tinker.BadRequestError, match="are not the tokens"):
+        client(url).create_lora_training_client(base_model="tiny", rank=2, seed=0).result().forward(
+            [forged], "stable_reinforce").result()
+    with pytest.raises((tinker.BadRequestError, tinker.RequestFailedError), match="provenance"):
+        client(url).create_lora_training_client(base_model="tiny", rank=2, seed=0).result().forward(
+            [datum(TOKENS, advantages=[1.0] * (len(TOKENS) - 1))], "stable_reinforce").result()
+
+
+def test_a_pickled_sampling_client_joins_its_session(served):
+    import pickle
+    svc, url, _ = served
+    tc = client(url).create_lora_training_client(base_model="tiny", rank=2, seed=0).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    clone = pickle.loads(pickle.dumps(sampler))  # e.g. handed to a rollout worker process
+    out = clone.sample(types.ModelInput.from_ints(TOKENS[:4]), 2, types.SamplingParams(max_tokens=3)).result()
+    assert len(out.sequences) == 2
+    assert list(svc.clone_counters.values()) == [1]  # the server gave the copy its own counter

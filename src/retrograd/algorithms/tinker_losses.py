@@ -15,6 +15,10 @@ Every loss is a SUM over the datum's tokens (Tinker has no mean and no mask: cal
   dro                  -(lp A - beta/2 (lp - q)^2).sum()      beta (0.05)    dro
   gspo                 PPO's min/clip on r_t = sg(s) exp(lp - sg(lp)), s = exp(mean_M(sg(lp) - q)),
                        M = sequence_ratio_mask (all tokens when absent)      gspo, mask = M
+  stable_reinforce     -(sg(min(r, c)) * lp * A).sum() + kl_coeff/2 (lp - q)^2  (c = clip_high_threshold 2.0,
+                       kl_coeff 0): truncated importance-sampling REINFORCE, q being the log-probs the server
+                       recorded when it sampled the tokens (record_stability_info), never the client's.
+                       Tinker has not published its formula; this is retrograd's, stated here.
 """
 from __future__ import annotations
 
@@ -22,11 +26,12 @@ import torch
 
 from retrograd.algorithms.policy_losses import COMMON_DEFAULTS, POLICY_LOSSES
 
-LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
+LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce")
 # loss -> the loss_fn_inputs it needs besides target_tokens
 REQUIRED_INPUTS = {
     "cross_entropy": (), "importance_sampling": ("logprobs", "advantages"), "ppo": ("logprobs", "advantages"),
     "cispo": ("logprobs", "advantages"), "dro": ("logprobs", "advantages"), "gspo": ("logprobs", "advantages"),
+    "stable_reinforce": ("advantages",),  # q comes from the server's records, through provenance spans
 }
 # loss -> loss_fn_config keys it reads, with defaults
 CONFIG_DEFAULTS = {
@@ -35,6 +40,7 @@ CONFIG_DEFAULTS = {
     "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
     "dro": {"beta": 0.05},
     "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "stable_reinforce": {"clip_high_threshold": 2.0, "kl_coeff": 0.0},
 }
 
 
@@ -62,14 +68,16 @@ def resolve_config(loss_fn: str, config: dict | None) -> dict:
 
 # Tinker's policy losses -> the shared registry's names
 REGISTRY_NAMES = {"importance_sampling": "importance_sampling", "ppo": "clip", "cispo": "cispo", "dro": "dro",
-                  "gspo": "gspo"}
+                  "gspo": "gspo", "stable_reinforce": "cispo"}
 
 
 def registry_params(loss_fn: str, config: dict) -> dict:
     """Tinker's absolute ratio bounds [lo, hi] as the registry's offsets from 1; Tinker's ppo has no
     dual clip."""
     params = {**COMMON_DEFAULTS, "clip_ratio_c": 0.0}
-    if "clip_low_threshold" in config:
+    if loss_fn == "stable_reinforce":  # truncation only: the weight is min(r, c), never raised from below
+        params["clip_low"], params["clip_high"] = 1.0, config["clip_high_threshold"] - 1.0
+    elif "clip_low_threshold" in config:
         params["clip_low"] = 1.0 - config["clip_low_threshold"]
         params["clip_high"] = config["clip_high_threshold"] - 1.0
     if loss_fn == "dro":
@@ -85,9 +93,13 @@ def datum_loss(loss_fn: str, lp: torch.Tensor, inputs: dict[str, torch.Tensor], 
             weights = torch.ones_like(lp)
         return -(lp * weights.to(lp.dtype)).sum()
     q, adv = inputs["logprobs"].to(lp.dtype), inputs["advantages"].to(lp.dtype)
+    if loss_fn == "stable_reinforce":  # positions with no recorded sample (prompt runs): ratio 1
+        q = torch.where(torch.isnan(q), lp.detach(), q)
     # only gspo reads a mask (for its sequence ratio); Tinker sums every position whatever the mask
     mask = inputs.get("sequence_ratio_mask") if loss_fn == "gspo" else None
     mask = torch.ones_like(lp) if mask is None else mask.to(lp.dtype)
     fn = POLICY_LOSSES.get(REGISTRY_NAMES[loss_fn])
     per_token, _ = fn(lp[None], q[None], adv[None], mask[None], registry_params(loss_fn, config))  # [1, N]
+    if loss_fn == "stable_reinforce" and config["kl_coeff"]:
+        per_token = per_token + 0.5 * config["kl_coeff"] * (lp - q)[None] ** 2
     return per_token.sum()

@@ -34,6 +34,7 @@ RUN_ID_RE = re.compile(r"^[0-9a-f-]{36}:train:\d{1,9}$")
 KIND_SEGMENT = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}
 SEGMENT_KIND = {v: k for k, v in KIND_SEGMENT.items()}
 URL_TTL_S = 3600
+RECORDED_SEQUENCES = 100_000  # samples kept for stable_reinforce (record_stability_info), newest
 SESSION_IDLE_S = 1800  # a session without a heartbeat this long is finished (its runs leave memory)
 LORA_ALPHA = 32.0  # Tinker's LoRA config has no alpha: a server-wide setting (--lora-alpha), kept in manifests
 
@@ -109,6 +110,9 @@ class Service:
         self.run_owner: dict[str, str] = {}
         self.samplers: dict[str, Sampler] = {}  # in creation order (the oldest of a session leaves first)
         self.custom_losses: dict[tuple[str, str], object] = {}  # (owner, loss id) -> custom_loss.CustomLoss
+        self.clone_counters: dict[str, int] = {}  # sampling session -> SamplingClient copies joined
+        # sequence id -> (owner, tokens, log-probs) of samples drawn with record_stability_info (newest last)
+        self.recorded: dict[str, tuple[str, list[int], list[float]]] = {}
         self.hosts: dict[tuple, Run] = {}  # models that carry sampler tensors when their run is not live
         self.last_seen: dict[str, float] = {}  # session -> last request (heartbeats every 10 s)
         self.sweep()
@@ -305,6 +309,9 @@ class Service:
             raise HttpError(400, f"forward_backward of {tokens} tokens exceeds this server's {self.limits.batch_tokens} "
                                  "per request; send fewer datums per call")
 
+        if req.loss_fn == "stable_reinforce":
+            for i, d in enumerate(req.data):
+                d.inputs["logprobs"] = self._recorded_logprobs(caller, i, d)
         custom = None
         if req.loss_fn == "custom":  # a loss this session created with create_custom_loss
             loss_id = req.loss_fn_config.get("loss_id")
@@ -317,6 +324,41 @@ class Service:
                                                                      req.forward_only, custom)
             return wire.encode_forward_backward_output(outs, metrics)
         return self._ordered(caller, {"model_id": req.model_id, "seq_id": req.seq_id}, job)
+
+    def _record(self, owner: str, request_id: str, sequences: list) -> None:
+        """Keep what was sampled, by the SDK's sequence ids ("{request}:{i}"); the oldest go first."""
+        for i, s in enumerate(sequences):
+            self.recorded[f"{request_id}:{i}"] = (owner, list(s["tokens"]), list(s["logprobs"]))
+        for old in list(self.recorded)[:max(0, len(self.recorded) - RECORDED_SEQUENCES)]:
+            del self.recorded[old]
+
+    def _recorded_logprobs(self, caller: Caller, i: int, d):
+        """stable_reinforce: the sampler's log-probs of datum i's targets, from what this server recorded
+        when it sampled them (record_stability_info), located by the datum's provenance spans; NaN on
+        prompt runs. The recorded tokens must be the datum's targets there."""
+        import numpy as np
+        targets = d.inputs.get("target_tokens")
+        n = len(d.tokens)
+        if not d.target_spans:
+            raise HttpError(400, f"datum {i}: stable_reinforce needs provenance spans on loss_fn_inputs "
+                                 "(Datum.with_provenance), naming the sampled sequences its targets reproduce")
+        if sum(length for *_, length in d.target_spans) != n:
+            raise HttpError(400, f"datum {i}: its provenance spans cover {sum(s[3] for s in d.target_spans)} "
+                                 f"positions, the datum has {n}")
+        q, pos = np.full(n, np.nan, dtype=np.float32), 0
+        for kind, sequence_id, offset, length in d.target_spans:
+            if kind == "sampled" and length:
+                rec = self.recorded.get(sequence_id)
+                if rec is None or rec[0] != caller.owner:
+                    raise not_found(f"datum {i}: recorded sequence {sequence_id!r} (sample it with "
+                                    "record_stability_info; records are kept per session)")
+                tokens, lps = rec[1][offset:offset + length], rec[2][offset:offset + length]
+                if len(tokens) != length or targets is None or list(targets[pos:pos + length]) != tokens:
+                    raise HttpError(400, f"datum {i}: positions {pos}..{pos + length - 1} are not the tokens "
+                                         f"sequence {sequence_id} sampled at {offset}..{offset + length - 1}")
+                q[pos:pos + length] = lps
+            pos += length
+        return q
 
     def create_custom_loss(self, caller: Caller, body: dict) -> dict:
         """Store a traced per-datum loss (checked against service/custom_loss.py's allowlists)."""
@@ -550,6 +592,15 @@ class Service:
         self._may_sample(caller, base.name)
         return Sampler(sampler_id, caller.owner, base, None, None, None, None)
 
+    def join_sampling_session(self, caller: Caller, body: dict) -> dict:
+        """A copy of a SamplingClient (unpickled elsewhere) gets a counter of its own in the session."""
+        sid = v.string(body, "sampling_session_id")
+        s = self.samplers.get(sid)
+        if s is None or s.owner != caller.owner:
+            raise not_found(f"sampling session {sid!r}")
+        self.clone_counters[sid] = self.clone_counters.get(sid, 0) + 1
+        return {"type": "join_sampling_session", "client_counter": self.clone_counters[sid]}
+
     def get_sampler(self, caller: Caller, sampler_id: str) -> dict:
         s = self.samplers.get(sampler_id)
         if s is None or s.owner != caller.owner:
@@ -586,9 +637,12 @@ class Service:
         last_n = v.integer(body, "prompt_logprobs_last_n", None, lo=1, hi=len(prompt) - 1)
         if last_n is not None and not (want_plp or topk):
             raise HttpError(400, "prompt_logprobs_last_n applies to prompt log-probs: set prompt_logprobs")
+        # the SDK's SamplingClient(record_stability_info=True) sets it on every request
+        record = v.boolean(body, "record_stability_info", False)
         # the sequences are sampled in slices of `sample_chunk`, other owners' jobs running in between
         sizes = [min(self.limits.sample_chunk, n - i) for i in range(0, n, self.limits.sample_chunk)]
         sequences: list = []
+        request_id = self.executor.new_request_id()
 
         def part(k: int, size: int):
             def run():
@@ -596,12 +650,14 @@ class Service:
                 with self._sampling_model(sampler) as model:
                     sequences.extend(sample_sequences(model, base.tokenizer, prompt, size, {**params, "seed": seed}))
                     if k == len(sizes) - 1:
+                        if record:
+                            self._record(caller.owner, request_id, sequences)
                         plp, top = (Scorer(model).prompt_logprobs(prompt, topk, last_n) if want_plp or topk
                                     else (None, None))
                         return wire.encode_sample_response(sequences, plp if want_plp else None, top)
             return run
 
-        request_id = self.executor.submit_parts(caller.owner, [part(k, size) for k, size in enumerate(sizes)])
+        self.executor.submit_parts(caller.owner, [part(k, size) for k, size in enumerate(sizes)], request_id)
         return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(n)]}
 
     def _sampling_model(self, sampler: Sampler):

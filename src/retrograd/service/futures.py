@@ -85,8 +85,12 @@ class Executor:
         self._thread.start()
 
     # ---- submission ----------------------------------------------------------------------------
-    def _promise(self, owner: str) -> Promise:
-        p = Promise(uuid.uuid4().hex, owner)
+    @staticmethod
+    def new_request_id() -> str:
+        return uuid.uuid4().hex
+
+    def _promise(self, owner: str, request_id: str | None = None) -> Promise:
+        p = Promise(request_id or uuid.uuid4().hex, owner)
         self._promises[p.request_id] = p
         return p
 
@@ -101,12 +105,13 @@ class Executor:
         """An unordered job (sampling, session-level work)."""
         return self.submit_parts(owner, [fn])
 
-    def submit_parts(self, owner: str, parts: list) -> str:
+    def submit_parts(self, owner: str, parts: list, request_id: str | None = None) -> str:
         """One request run as several jobs in order, other owners' jobs between them; the promise
         resolves with the last part's result (earlier parts prepare it, e.g. into a shared list).
-        A failing part fails the promise and skips the rest."""
+        A failing part fails the promise and skips the rest. `request_id`: one the caller chose
+        (new_request_id), so its jobs can name their own request."""
         with self._lock:
-            p = self._promise(owner)
+            p = self._promise(owner, request_id)
             for i, fn in enumerate(parts):
                 self._enqueue(owner, _Job(p, fn, i == len(parts) - 1))
             return p.request_id

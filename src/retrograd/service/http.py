@@ -41,7 +41,7 @@ MAX_CONNECTIONS = 256  # beyond this many open connections uvicorn answers 503
 DRAIN_FACTOR = 4  # an authorised oversized body up to 4x the limit is discarded before the 413
 CLIENT_CONFIG = {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "parallel_fwdbwd_chunks": True,
                  "proto_compress_fwdbwd": False, "sample_use_retrieve_futures": False,
-                 "custom_loss_server_side": True, "sample_join_sampling_session": False}
+                 "custom_loss_server_side": True, "sample_join_sampling_session": True}
 OPEN_PATHS = re.compile(r"^/api/v1/(healthz|files/[0-9a-f]{32}/[A-Za-z0-9._-]+)$")  # no API key needed
 
 _RUN = r"(?P<run>[^/]+)"
@@ -197,7 +197,7 @@ def build_app(svc: Service, hosts: set[str], base_url: str, log=print) -> Gate:
                       "save_weights": svc.save_weights, "save_weights_for_sampler": svc.save_weights_for_sampler,
                       "save_weights_external": svc.save_weights_external, "load_weights": svc.load_weights,
                       "create_sampling_session": svc.create_sampling_session, "asample": svc.asample,
-                      "create_custom_loss": svc.create_custom_loss,
+                      "create_custom_loss": svc.create_custom_loss, "join_sampling_session": svc.join_sampling_session,
                       "weights_info": lambda c, b: rest.weights_info(svc, c, b)}
             if route in simple:
                 return JSONResponse(await call(simple[route], caller, body))

@@ -29,6 +29,8 @@ def _pb():
 class Datum:
     tokens: list[int]
     inputs: dict[str, np.ndarray] = field(default_factory=dict)  # float32 / int64, shaped
+    # provenance of the target positions, in order: ("sampled" | "prompt", sequence_id, offset, length)
+    target_spans: list[tuple[str, str, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -84,7 +86,12 @@ def decode_forward_backward(body: bytes) -> FwdBwdRequest:
             if kind != "encoded_text":
                 raise WireError(f"datum {i}: {kind} chunks are not supported by this server (text models only)")
             tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
-        data.append(Datum(tokens, {name: _tensor(t, name) for name, t in d.loss_fn_inputs.items()}))
+        spans = []
+        for span in d.loss_fn_input_spans:
+            kind = "sampled" if span.WhichOneof("span") == "sampled_tokens" else "prompt"
+            part = span.sampled_tokens if kind == "sampled" else span.prompt_tokens
+            spans.append((kind, part.sequence_id, int(part.offset), int(part.length)))
+        data.append(Datum(tokens, {name: _tensor(t, name) for name, t in d.loss_fn_inputs.items()}, spans))
     return FwdBwdRequest(msg.model_id, int(msg.seq_id), msg.loss_fn, config, bool(msg.forward_only), data)
 
 
