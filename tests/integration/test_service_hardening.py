@@ -11,7 +11,6 @@ import socket
 import stat
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -193,7 +192,7 @@ def test_sampler_snapshots_do_not_pile_up(served):
     for _ in range(12):
         s = tc.save_weights_and_get_sampling_client().result()
     assert s.sample(types.ModelInput.from_ints(TOKENS[:4]), 1, types.SamplingParams(max_tokens=2)).result()
-    assert len([k for k in svc.samplers if k.startswith(session)]) == 3
+    assert len([k for k in svc.sampling.samplers if k.startswith(session)]) == 3
 
 
 # ---- 6-7. damaged checkpoints, validation, a failed create ---------------------------------------------
@@ -301,7 +300,7 @@ def test_live_runs_and_samplers_are_owner_scoped(served):
     svc, url, keys = served
     tc = client(url, keys["alice"]).create_lora_training_client(base_model="tiny", rank=2, seed=0).result()
     sampler = tc.save_weights_and_get_sampling_client().result()
-    sid = [k for k in svc.samplers if k.startswith(tc.model_id.split(":")[0])][-1]
+    sid = [k for k in svc.sampling.samplers if k.startswith(tc.model_id.split(":")[0])][-1]
     h = {"X-API-Key": keys["bob"], "Content-Type": "application/json"}
     for route, body in [("optim_step", {"model_id": tc.model_id, "seq_id": 5, "adam_params": {}}),
                         ("save_weights", {"model_id": tc.model_id, "seq_id": 5, "path": "stolen"}),

@@ -187,7 +187,7 @@ def test_stable_reinforce_uses_the_server_recorded_logprobs(served):
     out = sampler.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=5, seed=0)).result()
     seq = out.sequences[0]
     sampled, q = list(seq.tokens), list(seq.logprobs)
-    assert seq.sequence_id in svc.recorded
+    assert seq.sequence_id in svc.sampling.recorded
     adv = [0.0] * (len(prompt) - 1) + [1.5] * len(sampled)
     d = types.Datum(model_input=types.ModelInput.from_ints(prompt + sampled[:-1]),
                     loss_fn_inputs={"target_tokens": prompt[1:] + sampled, "advantages": adv})
@@ -221,4 +221,4 @@ def test_a_pickled_sampling_client_joins_its_session(served):
     clone = pickle.loads(pickle.dumps(sampler))  # e.g. handed to a rollout worker process
     out = clone.sample(types.ModelInput.from_ints(TOKENS[:4]), 2, types.SamplingParams(max_tokens=3)).result()
     assert len(out.sequences) == 2
-    assert list(svc.clone_counters.values()) == [1]  # the server gave the copy its own counter
+    assert list(svc.sampling.clone_counters.values()) == [1]  # the server gave the copy its own counter

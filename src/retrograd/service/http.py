@@ -196,8 +196,8 @@ def build_app(svc: Service, hosts: set[str], base_url: str, log=print) -> Gate:
                       "create_model": svc.create_model, "get_info": svc.get_info, "optim_step": svc.optim_step,
                       "save_weights": svc.save_weights, "save_weights_for_sampler": svc.save_weights_for_sampler,
                       "save_weights_external": svc.save_weights_external, "load_weights": svc.load_weights,
-                      "create_sampling_session": svc.create_sampling_session, "asample": svc.asample,
-                      "create_custom_loss": svc.create_custom_loss, "join_sampling_session": svc.join_sampling_session,
+                      "create_sampling_session": svc.sampling.create_session, "asample": svc.sampling.asample,
+                      "create_custom_loss": svc.create_custom_loss, "join_sampling_session": svc.sampling.join,
                       "weights_info": lambda c, b: rest.weights_info(svc, c, b)}
             if route in simple:
                 return JSONResponse(await call(simple[route], caller, body))
@@ -218,7 +218,7 @@ def build_app(svc: Service, hosts: set[str], base_url: str, log=print) -> Gate:
                 return JSONResponse(await call(rest.list_checkpoints, svc, caller, query))
             m = re.fullmatch(r"samplers/(?P<sid>[^/]+)", route)
             if m:
-                return JSONResponse(await call(svc.get_sampler, caller, m["sid"]))
+                return JSONResponse(await call(svc.sampling.get, caller, m["sid"]))
             m = re.fullmatch(r"sessions/(?P<sid>[^/]+)", route)
             if m:
                 s = await call(svc.registry.session, m["sid"], caller.owner)
