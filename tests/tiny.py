@@ -214,3 +214,37 @@ seed = 3
     cfg = tmp / name
     cfg.write_text(_merge(text, extra))
     return cfg
+
+
+def write_ppo_run(tmp: Path, model_dir: Path, extra: str = "", *, updates: int = 6, name: str = "ppo.toml") -> Path:
+    """A small PPO run.toml in `tmp`, with the GRPO run's prompts and lowercase-share reward."""
+    write_grpo_run(tmp, model_dir, updates=1)  # writes prompts.jsonl and tiny_rewards.py
+    text = f"""
+[run]
+algorithm = "ppo"
+[model]
+path = "{model_dir}"
+[output]
+path = "out/adapter"
+[lora]
+rank = 4
+alpha = 8
+[training]
+lr = 0.02
+ctx = 64
+threads = 1
+[ppo]
+prompts = "prompts.jsonl"
+updates = {updates}
+rollout_batch_size = 8
+ppo_epochs = 2
+rewards = [{{ type = "python", function = "tiny_rewards:share_of_lowercase" }}]
+[ppo.sampling]
+max_new_tokens = 8
+seed = 3
+[ppo.critic]
+value_lr = 0.05
+"""
+    cfg = tmp / name
+    cfg.write_text(_merge(text, extra))
+    return cfg

@@ -115,6 +115,8 @@ def _train(args) -> int:
         from retrograd.train.preference import train_preference as train
     elif cfg.run.algorithm == "grpo":
         from retrograd.train.grpo import train_grpo as train
+    elif cfg.run.algorithm == "ppo":
+        from retrograd.train.ppo import train_ppo as train
     else:
         from retrograd.train.sft import train_sft as train
     result = train(cfg, resume=args.resume)

@@ -33,7 +33,7 @@ def run_eval(cfg, adapter=None, checkpoint=None, data=None, as_json=False) -> in
                   f"{out['trained/preference_loss']:.4f}, reward accuracy {out['trained/reward_accuracy']:.3f}, "
                   f"margin {out['trained/margin']:.4f}")
         return 0
-    if cfg.run.algorithm == "grpo":
+    if cfg.run.algorithm in ("grpo", "ppo"):
         print(f"{out['prompts']} prompts of {out['data']}, greedy completions")
         for side in sides:
             per = {k.split("/", 1)[1]: v for k, v in out.items()

@@ -189,6 +189,7 @@ def load_config(path: Union[str, Path], overrides: Optional[list[str]] = None) -
     _cross_checks(cfg, src)
     cfg = _resolve_preference(cfg, src)
     cfg = _resolve_grpo(cfg, src, base)
+    cfg = _resolve_ppo(cfg, src, base)
     if cfg.model.path and not cfg.model.path.startswith("builtin:"):
         # a model path that exists relative to the TOML resolves there; otherwise it stays an alias
         candidate = (base / os.path.expanduser(cfg.model.path))
@@ -224,12 +225,32 @@ def _resolve_grpo(cfg: RunConfig, src: Path, base: Path) -> RunConfig:
     return dataclasses.replace(cfg, grpo=g)
 
 
+def _resolve_ppo(cfg: RunConfig, src: Path, base: Path) -> RunConfig:
+    """Build the [ppo.*] sub-tables and check what PPO needs."""
+    p = cfg.ppo
+    if p is None:
+        return cfg
+    subs = {key: None if getattr(p, key) is None else _build_table(f"ppo.{key}", cls, getattr(p, key), src, base)
+            for key, cls in schema.PPO_SUBTABLES.items()}
+    if not p.rewards and not p.reward_command:
+        raise ConfigError(f"{src}: [ppo] needs at least one reward: [[ppo.rewards]] tables or reward_command")
+    if subs["sampling"].max_new_tokens >= cfg.training.ctx:
+        raise ConfigError(f"{src}: ppo.sampling.max_new_tokens = {subs['sampling'].max_new_tokens} leaves no room for "
+                          f"the prompt in training.ctx = {cfg.training.ctx}")
+    if 0 < p.clip_ratio_c <= 1:
+        raise ConfigError(f"{src}: ppo.clip_ratio_c = {p.clip_ratio_c} must be > 1 (or 0 to turn dual-clip off)")
+    critic = subs["critic"]
+    if not critic.enabled and critic != schema.PpoCriticTable(enabled=False):
+        raise ConfigError(f"{src}: [ppo.critic] enabled = false: its other keys are not read; remove them")
+    return dataclasses.replace(cfg, ppo=dataclasses.replace(p, **subs))
+
+
 PREFERENCE_BETA = {"dpo": 0.1, "ipo": 0.1, "simpo": 2.0, "orpo": 0.1}
 
 
 def _resolve_preference(cfg: RunConfig, src: Path) -> RunConfig:
     """Refuse [preference] keys the chosen loss does not read, then fill the loss's defaults."""
-    if cfg.reference is not None and cfg.run.algorithm not in ("preference", "grpo"):
+    if cfg.reference is not None and cfg.run.algorithm not in ("preference", "grpo"):  # (PPO's KL is toward the rollout policy)
         raise ConfigError(f"{src}: [reference] does not apply to run.algorithm = {cfg.run.algorithm!r}")
     pc = cfg.preference
     if pc is None:
@@ -378,6 +399,8 @@ def json_schema() -> dict:
     props = {name: _table_schema(cls) for name, cls in schema.TABLES.items()}
     for key, cls in schema.GRPO_SUBTABLES.items():  # [grpo.sampling] etc.
         props["grpo"]["properties"][key] = {**_table_schema(cls), "description": props["grpo"]["properties"][key]["description"]}
+    for key, cls in schema.PPO_SUBTABLES.items():  # [ppo.sampling], [ppo.critic], ...
+        props["ppo"]["properties"][key] = {**_table_schema(cls), "description": props["ppo"]["properties"][key]["description"]}
     from retrograd.algorithms.transforms import TABLE_DEFAULTS, TABLE_HELP
     py = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array"}
     for table, defaults in TABLE_DEFAULTS.items():  # [grpo.gtpo] etc.: the token transforms' parameters

@@ -26,7 +26,7 @@ def opt(default: Any = None, *, help: str, choices: tuple | None = None, min: fl
 
 
 ALGORITHMS = ("sft", "preference", "ppo", "grpo", "distill", "agent_grpo")
-SUPPORTED_ALGORITHMS = ("sft", "preference", "grpo")
+SUPPORTED_ALGORITHMS = ("sft", "preference", "grpo", "ppo")
 
 
 @dataclass(frozen=True)
@@ -254,6 +254,53 @@ GRPO_SUBTABLES = {"sampling": GrpoSamplingTable, "overlong_penalty": GrpoOverlon
 
 
 @dataclass(frozen=True)
+class PpoCriticTable:
+    enabled: bool = opt(True, help="a critic and GAE advantages; false: whitened sequence rewards on every token")
+    critic: str = opt("head", choices=("head",),
+                      help="head: a value head on the policy's final hidden states (a linear probe, no forward of "
+                           "its own)")
+    gamma: float = opt(1.0, min=0, max=1, help="discount of GAE")
+    gae_lambda: float = opt(0.95, min=0, max=1, help="GAE's lambda (TD(lambda) returns)")
+    value_lr: float = opt(0.01, min=0, min_exclusive=True, help="learning rate of the critic")
+    value_epochs: int = opt(8, min=1, help="full-batch critic steps per update")
+    feature_dtype: str = opt("f32", choices=("f32", "f16", "bf16"), help="storage dtype of the critic's features")
+
+
+@dataclass(frozen=True)
+class PpoTable:
+    prompts: str = opt(REQUIRED, path=True, trajectory=False,
+                       help='prompt rows: .jsonl {"messages": [...]} or {"prompt": ...} plus reward columns, or builtin:NAME')
+    updates: Optional[int] = opt(None, min=1, help="policy updates (default: training.max_steps, else one pass "
+                                                   "over the prompts x training.epochs)")
+    rollout_batch_size: int = opt(8, min=1, help="prompts per update, one completion each")
+    ppo_epochs: int = opt(2, min=1, help="optimizer steps per update on the same rollouts")
+    clip_range: float = opt(0.2, min=0, max=1, min_exclusive=True, max_exclusive=True,
+                            help="ratio clip [1 - clip_range, 1 + clip_range_high]")
+    clip_range_high: Optional[float] = opt(None, min=0, help="the upper band (Clip-Higher); default clip_range")
+    clip_ratio_c: float = opt(3.0, min=0, help="dual-clip: an A < 0 token's objective is at most c |A| (0: off; else > 1)")
+    kl_coefficient: float = opt(0.0, min=0, help="weight of the k3 KL toward the rollout policy (the one that sampled)")
+    loss_normalisation: str = opt("token", choices=("token", "constant", "sequence"),
+                                  help="token: / tokens; constant: / (completions x max_new_tokens); sequence: per-completion mean")
+    mask_truncated: bool = opt(False, help="leave out of the loss completions that hit max_new_tokens")
+    prompt_order: str = opt("shuffled", choices=("sequential", "shuffled"), help="order prompts are taken in")
+    rewards: list = opt([], help="reward functions, as [[grpo.rewards]]: [[ppo.rewards]] tables")
+    reward_command: Optional[list] = opt(None, trajectory=False,
+                                         help="argv of a retrograd-reward/1 program (added to the rewards, weight 1)")
+    reward_mode: str = opt("persistent", choices=("persistent", "oneshot"), help="reward_command mode")
+    reward_timeout_seconds: float = opt(300.0, min=0, min_exclusive=True, trajectory=False,
+                                        help="most seconds a reward batch may take")
+    log_completions_every: int = opt(1, min=0, trajectory=False,
+                                     help="write sampled completions to completions.jsonl every N updates (0: never)")
+    template_variables: dict = opt({}, help="extra variables passed to the chat template")
+    sampling: dict = opt({}, help="[ppo.sampling]: max_new_tokens, temperature, top_p, top_k, seed, stop, dtype")
+    critic: dict = opt({}, help="[ppo.critic]: enabled, critic, gamma, gae_lambda, value_lr, value_epochs, feature_dtype")
+    overlong_penalty: Optional[dict] = opt(None, help="[ppo.overlong_penalty]: buffer_tokens, max_penalty")
+
+
+PPO_SUBTABLES = {"sampling": GrpoSamplingTable, "critic": PpoCriticTable, "overlong_penalty": GrpoOverlongTable}
+
+
+@dataclass(frozen=True)
 class ReferenceTable:
     model: str = opt(REQUIRED, trajectory=False,
                      help="the reference model (HF folder, .gguf or alias; same tokenizer as the trained model); "
@@ -305,6 +352,7 @@ class RunConfig:
     sft: Optional[SftTable] = None
     preference: Optional[PreferenceTable] = None
     grpo: Optional[GrpoTable] = None
+    ppo: Optional[PpoTable] = None
     reference: Optional[ReferenceTable] = None
     evaluation: Optional[EvaluationTable] = None
     checkpoint: Optional[CheckpointTable] = None
@@ -315,7 +363,7 @@ class RunConfig:
 # table name -> dataclass; the order is the order of the docs and the JSON schema
 TABLES: dict[str, type] = {
     "run": RunTable, "model": ModelTable, "output": OutputTable, "lora": LoraTable,
-    "training": TrainingTable, "sft": SftTable, "preference": PreferenceTable, "grpo": GrpoTable,
+    "training": TrainingTable, "sft": SftTable, "preference": PreferenceTable, "grpo": GrpoTable, "ppo": PpoTable,
     "reference": ReferenceTable,
     "evaluation": EvaluationTable,
     "checkpoint": CheckpointTable, "metrics": MetricsTable,

@@ -79,9 +79,10 @@ class Scorer:
         logp = linear_token_logprobs(h, self.head.weight, y, chunk_size=CE_CHUNK_ROWS)  # [N]
         return torch.zeros(labels.shape[0], dtype=logp.dtype, device=logp.device).index_add(0, rows, logp)
 
-    def token_logprobs(self, batch: dict, width: int) -> torch.Tensor:
+    def token_logprobs(self, batch: dict, width: int, states: bool = False):
         """[B, width]: log-probabilities of each row's labelled tokens, packed from column 0 (a
-        completion's j-th token in column j), 0 beyond each row's count."""
+        completion's j-th token in column j), 0 beyond each row's count. With `states`, also the
+        final hidden states that predicted them [B, width, H], detached (a value head's features)."""
         labels = batch["labels"]
         keep = labels[:, 1:] != IGNORE  # [B, T-1]
         rows = torch.arange(labels.shape[0], device=labels.device)[:, None].expand_as(keep)[keep]
@@ -90,18 +91,25 @@ class Scorer:
             h, y = select_targets(self.hidden(batch), labels)
             logp = linear_token_logprobs(h, self.head.weight, y, chunk_size=CE_CHUNK_ROWS)
         else:
+            if states:
+                raise ValueError("hidden states are read from the fused head: this model's head is not a plain linear layer")
             logp = self._shifted_logprobs(batch)[keep]
-        return torch.zeros(labels.shape[0], width, dtype=logp.dtype, device=logp.device).index_put((rows, cols), logp)
+        out = torch.zeros(labels.shape[0], width, dtype=logp.dtype, device=logp.device).index_put((rows, cols), logp)
+        if not states:
+            return out
+        packed = h.new_zeros(labels.shape[0], width, h.shape[-1]).index_put((rows, cols), h.detach())
+        return out, packed
 
     def shared_prompt_logprobs(self, prompts: list[list[int]], completions: list[list[int]], owner: list[int],
-                               width: int, pad_id: int) -> torch.Tensor:
+                               width: int, pad_id: int, states: bool = False):
         """The same [N, width] as `token_logprobs`, with each prompt run once for all its completions
         (completion i belongs to prompts[owner[i]]) and the prompts' common prefix (a chat template's
         system prompt) run once for all prompts. Three passes, each on the cache of the one before: the
         common prefix [1, c]; the prompts' remainders [P, *] left-padded; the completions [N, *]. Keys
         and values keep their graph when gathered for the next pass, so gradients reach every shared
         position and the result equals one row per completion (tested), at c + sum(P remainders) +
-        completion tokens instead of N x (prompt + completion). Needs the fused head."""
+        completion tokens instead of N x (prompt + completion). Needs the fused head. With `states`, also
+        the detached final hidden states that predicted each token [N, width, H]."""
         device = self.head.weight.device
         prefix, ids_p, attention_p, positions_p = split_prompts(prompts, pad_id, device)
         cache = None
@@ -132,7 +140,11 @@ class Scorer:
         logp = linear_token_logprobs(before[keep], self.head.weight, ids[keep], chunk_size=CE_CHUNK_ROWS)
         r = torch.arange(n, device=device)[:, None].expand_as(keep)[keep]
         c = torch.arange(n_max, device=device)[None].expand_as(keep)[keep]
-        return torch.zeros(n, width, dtype=logp.dtype, device=device).index_put((r, c), logp)
+        out = torch.zeros(n, width, dtype=logp.dtype, device=device).index_put((r, c), logp)
+        if not states:
+            return out
+        h = before[keep].detach()
+        return out, h.new_zeros(n, width, h.shape[-1]).index_put((r, c), h)
 
     def target_logprobs(self, rows: list[tuple[list[int], torch.Tensor]]) -> list[torch.Tensor]:
         """Tinker datums (input tokens, target_tokens [N] or [N, K]) -> log p(target) per datum: [N], or

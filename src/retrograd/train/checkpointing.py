@@ -25,13 +25,17 @@ def run_meta(cfg, fingerprints: dict, settings: dict, lora_modules: list[str] | 
     return {"algorithm": cfg.run.algorithm, "fingerprints": fingerprints, "settings": settings, "base": base}
 
 
-def save_training_state(directory: Path, name: str, model, optimizer, progress: dict, meta: dict) -> Path:
+def save_training_state(directory: Path, name: str, model, optimizer, progress: dict, meta: dict,
+                        extra=None) -> Path:
+    """`extra(folder)` writes what else the loop keeps (e.g. PPO's critic); the manifest covers it too."""
     def write(folder: Path) -> None:
         tensors = {n: p.detach().to("cpu").contiguous() for n, p in model.named_parameters() if p.requires_grad}
         save_file(tensors, str(folder / "weights.safetensors"))
         torch.save(optimizer.state_dict(), folder / "optimizer.pt")
         torch.save(rng_state(), folder / "rng.pt")
         (folder / "progress.json").write_text(json.dumps(progress, indent=1, sort_keys=True))
+        if extra is not None:
+            extra(folder)
 
     return ckpt.save_state(Path(directory), name, write, {**meta, "step": progress["step"]})
 

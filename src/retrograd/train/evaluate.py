@@ -1,6 +1,6 @@
 """`retrograd eval`: the base model and the trained one, side by side, measured the way each training
 loop evaluates (SFT: loss and perplexity; preference: accuracy, log-probs and the run's loss against
-the base; GRPO: mean reward of greedy completions, exactly as the run's own evaluation).
+the base; GRPO and PPO: mean reward of greedy completions, exactly as the run's own evaluation).
 
 The trained side comes from `--adapter PATH` (PEFT folder or .gguf adapter), `--checkpoint DIR`
 (a .state), or by default the run's `[output].path` when it exists; the base is the same weights
@@ -105,14 +105,14 @@ def eval_preference(cfg, model, tok, label, data) -> dict:
     return out
 
 
-def eval_grpo(cfg, model, tok, label, data) -> dict:
+def eval_rl(cfg, model, tok, label, data) -> dict:
     """Mean reward of greedy completions of the evaluation prompts, base and trained (the rewards,
-    stop strings and overlong penalty of the run: the same numbers as its eval/mean_reward)."""
+    stop strings and overlong penalty of the GRPO / PPO run: the same numbers as its eval/mean_reward)."""
     from retrograd.data.prompts import load_prompts
     from retrograd.rl.rewards import rewards_from_config
     from retrograd.rl.sampler import eos_ids
     from retrograd.train.rollouts import greedy_rewards
-    g = cfg.grpo
+    g = cfg.grpo or cfg.ppo
     prompts = load_prompts(data, tok, cfg.training.ctx, g.sampling.max_new_tokens, g.template_variables)
     rewards = rewards_from_config(g, Path(cfg.source).parent)
     eos = eos_ids(tok, model)
@@ -120,7 +120,7 @@ def eval_grpo(cfg, model, tok, label, data) -> dict:
     try:
         for side, context in _sides(model, label):
             with context:
-                r = greedy_rewards(model, tok, prompts, rewards, g, eos)
+                r = greedy_rewards(model, tok, prompts, rewards, g.sampling, eos, g.overlong_penalty)
             out[f"{side}/mean_reward"] = r.pop("mean_reward")
             out.update({f"{side}/{k}/mean": v for k, v in r.items()})
     finally:
@@ -136,5 +136,5 @@ def evaluate_trained(cfg, adapter=None, checkpoint=None, data=None) -> dict:
     if data is None:
         raise ConfigError("retrograd eval needs evaluation data: an [evaluation] table with data, or --data PATH")
     model, tok, label = load_trained(cfg, adapter, checkpoint)
-    by_algorithm = {"preference": eval_preference, "grpo": eval_grpo}
+    by_algorithm = {"preference": eval_preference, "grpo": eval_rl, "ppo": eval_rl}
     return by_algorithm.get(cfg.run.algorithm, eval_sft)(cfg, model, tok, label, data)

@@ -97,7 +97,7 @@ def train_grpo(cfg, resume: str | None = None, log=print) -> TrainResult:
         f"run folder {run.run_dir}")
 
     def evaluate() -> dict:
-        r = greedy_rewards(model, tok, eval_prompts, rewards, g, eos)
+        r = greedy_rewards(model, tok, eval_prompts, rewards, sp, eos, g.overlong_penalty)
         return {"eval/mean_reward": r.pop("mean_reward"), **{f"eval/reward/{k}": v for k, v in r.items()}}
 
     stopped_by, last_eval, reason = "done", None, ""
@@ -118,7 +118,8 @@ def train_grpo(cfg, resume: str | None = None, log=print) -> TrainResult:
             lr = lr_for(run, update, total)
 
             # ---- 1. sample and score -----------------------------------------------------------
-            rollouts = collect(model, tok, batch, prompts, rewards, g, eos, update, entropy=credit.needs_entropy)
+            rollouts = collect(model, tok, batch, prompts, rewards, sp, G, eos, update, overlong=g.overlong_penalty,
+                               dynamic=g.dynamic_sampling, entropy=credit.needs_entropy)
             samples = rollouts.samples
 
             # ---- 2. advantages; which completions train ----------------------------------------

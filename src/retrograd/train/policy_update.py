@@ -95,18 +95,20 @@ def plan_passes(seqs, prompt_of: list[int] | None, budget: int | None) -> list[l
     return out + ([cur] if cur else [])
 
 
-def pass_logprobs(scorer: Scorer, batch: UpdateBatch, idx: list[int]) -> torch.Tensor:
-    """[len(idx), W] per-token log-probs of the completions of rows idx (0 beyond each)."""
+def pass_logprobs(scorer: Scorer, batch: UpdateBatch, idx: list[int], states: bool = False):
+    """[len(idx), W] per-token log-probs of the completions of rows idx (0 beyond each); with
+    `states`, also the detached final hidden states that predicted them [len(idx), W, H]."""
     seqs, prompt_of = batch.seqs, batch.prompt_of
     if prompt_of is not None:
         uniq = list(dict.fromkeys(prompt_of[j] for j in idx))
         row = {p: n for n, p in enumerate(uniq)}
         first = {prompt_of[j]: j for j in reversed(idx)}
         return scorer.shared_prompt_logprobs([seqs[first[p]][0] for p in uniq], [seqs[j][1] for j in idx],
-                                             [row[prompt_of[j]] for j in idx], batch.width, batch.pad_id)
+                                             [row[prompt_of[j]] for j in idx], batch.width, batch.pad_id, states)
     device = scorer.head.weight.device
     return scorer.token_logprobs({k: (v.to(device) if v is not None else None)
-                                  for k, v in collate([seqs[j] for j in idx], batch.pad_id).items()}, batch.width)
+                                  for k, v in collate([seqs[j] for j in idx], batch.pad_id).items()}, batch.width,
+                                 states)
 
 
 def collate(seqs: list[tuple[list[int], list[int]]], pad_id: int) -> dict:
@@ -121,6 +123,25 @@ def collate(seqs: list[tuple[list[int], list[int]]], pad_id: int) -> dict:
         labels[i, len(p):n] = torch.tensor(c)
         attention[i, :n] = 1
     return {"input_ids": ids, "labels": labels, "attention_mask": attention if bool((attention == 0).any()) else None}
+
+
+@torch.no_grad()
+def score_old_policy(scorer: Scorer, batch: UpdateBatch, correction: tuple = ("none", 3.0, None)) -> torch.Tensor:
+    """Before an update whose advantages need the policy's states (PPO's critic): one pass without
+    gradient records each pass's log-probs as the old policy (and the off-policy weights), and
+    returns the detached final hidden states of every row [L, W, H] (the value head's features)."""
+    out = None
+    for k, idx in enumerate(batch.passes):
+        logp, states = pass_logprobs(scorer, batch, idx, states=True)
+        rows = torch.tensor(idx, device=logp.device)
+        n_completion = torch.tensor([len(batch.seqs[j][1]) for j in idx], device=logp.device)
+        mask = (n_completion[:, None] > torch.arange(batch.width, device=logp.device)[None]).to(logp.dtype)
+        batch.old[k] = logp
+        batch.is_weights[k], _ = importance_weights(logp, batch.behaviour[rows], mask, *correction)
+        if out is None:
+            out = states.new_zeros(len(batch.seqs), batch.width, states.shape[-1])
+        out[rows] = states
+    return out
 
 
 @torch.no_grad()

@@ -68,21 +68,20 @@ def score(rewards: list, tokenizer, prompts: list, samples: Samples, max_new_tok
     return total, per_reward, texts
 
 
-def collect(model, tokenizer, prompts: list, pool: list, rewards: list, g, eos: set[int], update: int, *,
-            entropy: bool = False) -> Rollouts:
-    """Sample and score one update's groups. With [grpo.dynamic_sampling], groups whose rewards are all
-    equal (no signal) are replaced by groups of prompts from `pool` not used in this update, up to
-    max_resample_factor draws."""
-    sp, G = g.sampling, g.group_size
+def collect(model, tokenizer, prompts: list, pool: list, rewards: list, sp, G: int, eos: set[int], update: int, *,
+            overlong=None, dynamic=None, entropy: bool = False) -> Rollouts:
+    """Sample and score one update's groups of G completions per prompt (sampling table `sp`). With a
+    dynamic sampling table, groups whose rewards are all equal (no signal) are replaced by groups of
+    prompts from `pool` not used in this update, up to max_resample_factor draws."""
     t0 = time.perf_counter()
     samples = draw(model, tokenizer, prompts, G, sp, eos, update, entropy=entropy)
     t1 = time.perf_counter()
-    total, per_reward, texts = score(rewards, tokenizer, prompts, samples, sp.max_new_tokens, g.overlong_penalty)
+    total, per_reward, texts = score(rewards, tokenizer, prompts, samples, sp.max_new_tokens, overlong)
     out = Rollouts(list(prompts), samples, total, per_reward, texts, len(prompts), t1 - t0, time.perf_counter() - t1)
-    if g.dynamic_sampling is None:
+    if dynamic is None:
         return out
     used = {id(p) for p in prompts}
-    for attempt in range(1, g.dynamic_sampling.max_resample_factor):
+    for attempt in range(1, dynamic.max_resample_factor):
         dead = zero_signal_groups(out.rewards, G).nonzero().flatten().tolist()
         if not dead:
             break
@@ -90,7 +89,7 @@ def collect(model, tokenizer, prompts: list, pool: list, rewards: list, g, eos: 
         t0 = time.perf_counter()
         more = draw(model, tokenizer, redo, G, sp, eos, update + RESAMPLE_SEED_STRIDE * attempt, entropy=entropy)
         t1 = time.perf_counter()
-        r2, f2, x2 = score(rewards, tokenizer, redo, more, sp.max_new_tokens, g.overlong_penalty)
+        r2, f2, x2 = score(rewards, tokenizer, redo, more, sp.max_new_tokens, overlong)
         out.sampling_s += t1 - t0
         out.reward_s += time.perf_counter() - t1
         out.groups_sampled += len(redo)
@@ -166,14 +165,15 @@ class CompletionsLog:
         self.file.close()
 
 
-def greedy_rewards(model, tokenizer, prompts: list, rewards: list, g, eos: set[int], chunk: int = 16) -> dict:
+def greedy_rewards(model, tokenizer, prompts: list, rewards: list, sp, eos: set[int], overlong=None,
+                   chunk: int = 16) -> dict:
     """Mean reward of greedy completions of `prompts` ({"mean_reward": m, "<reward name>": mean}):
-    GRPO's held-out evaluation, in training and in `retrograd eval`."""
+    the RL loops' held-out evaluation, in training and in `retrograd eval`."""
     total, per, n = 0.0, {}, 0
     for i in range(0, len(prompts), chunk):
         rows = prompts[i:i + chunk]
-        samples = draw(model, tokenizer, rows, 1, g.sampling, eos, 0, greedy=True)
-        values, per_reward, _ = score(rewards, tokenizer, rows, samples, g.sampling.max_new_tokens, g.overlong_penalty)
+        samples = draw(model, tokenizer, rows, 1, sp, eos, 0, greedy=True)
+        values, per_reward, _ = score(rewards, tokenizer, rows, samples, sp.max_new_tokens, overlong)
         total += float(values.sum())
         n += len(rows)
         for k, v in per_reward.items():

@@ -219,10 +219,11 @@ def record_eval(progress: dict, value: float, higher_is_better: bool, min_delta:
     return improved
 
 
-def save_checkpoint(run: Run, name: str, progress: dict, meta: dict) -> None:
-    """A .state checkpoint in [checkpoint].directory, and a llama.cpp .gguf copy beside a LoRA's."""
+def save_checkpoint(run: Run, name: str, progress: dict, meta: dict, extra=None) -> None:
+    """A .state checkpoint in [checkpoint].directory, and a llama.cpp .gguf copy beside a LoRA's.
+    `extra(folder)` adds the loop's own files (PPO's critic)."""
     ck = run.cfg.checkpoint
-    io.save_training_state(Path(ck.directory), name, run.model, run.optimizer, progress, meta)
+    io.save_training_state(Path(ck.directory), name, run.model, run.optimizer, progress, meta, extra)
     if run.gguf_copies:
         from peft import get_peft_model_state_dict
         write_gguf_lora(Path(ck.directory) / name.replace(".state", ".gguf"), get_peft_model_state_dict(run.model),
