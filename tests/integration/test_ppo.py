@@ -97,3 +97,18 @@ def test_lora_kl_run_resumes_bit_exact_with_its_critic(tmp_path, tiny_model, cli
 def test_config_errors(tmp_path, tiny_model, cli, extra, message):
     cfg = write_ppo_run(tmp_path, tiny_model, extra, updates=1)
     assert message in cli("train", cfg, check=2).stderr
+
+
+def test_a_separate_value_model_critic(tmp_path, tiny_model, cli):
+    extra = f'[ppo.critic]\ncritic = "model"\nmodel = "{tiny_model}"\nrank = 2\nvalue_epochs = 4\nvalue_lr = 0.002\n[checkpoint]\n' \
+            'directory = "ckpt"\nmode = "steps"\nevery_steps = 2\n'
+    cfg = write_ppo_run(tmp_path, tiny_model, extra, updates=2)
+    cli("train", cfg, check=0)
+    r = [x for x in rows(tmp_path) if "reward/mean" in x]
+    assert all("critic/explained_variance" in x and "critic/value_loss_after_fit" in x for x in r)
+    assert r[-1]["critic/value_loss_after_fit"] < r[-1]["policy/value_loss"]  # the value model fitted the returns
+    saved = load_file(tmp_path / "ckpt" / "step-000000000002.state" / "critic.safetensors")
+    assert any(k.startswith("lora.") and "lora_A" in k for k in saved) and "weight" in saved
+    cli("train", cfg, "--resume", check=0)  # the critic model's checkpoint loads back
+    bad = write_ppo_run(tmp_path, tiny_model, '[ppo.critic]\ncritic = "model"', updates=1, name="bad.toml")
+    assert "ppo.critic.model names the value model" in cli("train", bad, check=2).stderr

@@ -242,6 +242,10 @@ def _resolve_ppo(cfg: RunConfig, src: Path, base: Path) -> RunConfig:
     critic = subs["critic"]
     if not critic.enabled and critic != schema.PpoCriticTable(enabled=False):
         raise ConfigError(f"{src}: [ppo.critic] enabled = false: its other keys are not read; remove them")
+    if (critic.critic == "model") != (critic.model is not None):
+        raise ConfigError(f"{src}: ppo.critic.model names the value model of critic = \"model\" (and only then)")
+    if critic.critic != "model" and critic.rank != schema.PpoCriticTable().rank:
+        raise ConfigError(f"{src}: ppo.critic.rank is read by critic = \"model\" only")
     return dataclasses.replace(cfg, ppo=dataclasses.replace(p, **subs))
 
 

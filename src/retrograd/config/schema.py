@@ -256,9 +256,12 @@ GRPO_SUBTABLES = {"sampling": GrpoSamplingTable, "overlong_penalty": GrpoOverlon
 @dataclass(frozen=True)
 class PpoCriticTable:
     enabled: bool = opt(True, help="a critic and GAE advantages; false: whitened sequence rewards on every token")
-    critic: str = opt("head", choices=("head",),
+    critic: str = opt("head", choices=("head", "model"),
                       help="head: a value head on the policy's final hidden states (a linear probe, no forward of "
-                           "its own)")
+                           "its own); model: a separate value model (critic.model, with a LoRA of critic.rank)")
+    model: Optional[str] = opt(None, trajectory=False,
+                               help="critic = \"model\": the value model (HF folder, .gguf or alias; same tokenizer)")
+    rank: int = opt(8, min=1, max=512, help="critic = \"model\": LoRA rank of the value model")
     gamma: float = opt(1.0, min=0, max=1, help="discount of GAE")
     gae_lambda: float = opt(0.95, min=0, max=1, help="GAE's lambda (TD(lambda) returns)")
     value_lr: float = opt(0.01, min=0, min_exclusive=True, help="learning rate of the critic")

@@ -79,10 +79,11 @@ class Scorer:
         logp = linear_token_logprobs(h, self.head.weight, y, chunk_size=CE_CHUNK_ROWS)  # [N]
         return torch.zeros(labels.shape[0], dtype=logp.dtype, device=logp.device).index_add(0, rows, logp)
 
-    def token_logprobs(self, batch: dict, width: int, states: bool = False):
+    def token_logprobs(self, batch: dict, width: int, states: bool = False, detach: bool = True):
         """[B, width]: log-probabilities of each row's labelled tokens, packed from column 0 (a
         completion's j-th token in column j), 0 beyond each row's count. With `states`, also the
-        final hidden states that predicted them [B, width, H], detached (a value head's features)."""
+        final hidden states that predicted them [B, width, H], detached unless `detach` is false (a
+        value head's features; a critic model trains through them)."""
         labels = batch["labels"]
         keep = labels[:, 1:] != IGNORE  # [B, T-1]
         rows = torch.arange(labels.shape[0], device=labels.device)[:, None].expand_as(keep)[keep]
@@ -97,7 +98,7 @@ class Scorer:
         out = torch.zeros(labels.shape[0], width, dtype=logp.dtype, device=logp.device).index_put((rows, cols), logp)
         if not states:
             return out
-        packed = h.new_zeros(labels.shape[0], width, h.shape[-1]).index_put((rows, cols), h.detach())
+        packed = h.new_zeros(labels.shape[0], width, h.shape[-1]).index_put((rows, cols), h.detach() if detach else h)
         return out, packed
 
     def shared_prompt_logprobs(self, prompts: list[list[int]], completions: list[list[int]], owner: list[int],

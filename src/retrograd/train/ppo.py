@@ -36,7 +36,7 @@ from retrograd.rl.rewards import rewards_from_config
 from retrograd.rl.sampler import eos_ids
 from retrograd.train.checkpointing import run_meta
 from retrograd.train.common import StopRequest
-from retrograd.train.critic import Critic
+from retrograd.train.critic import Critic, ModelCritic
 from retrograd.train.policy_update import build_batch, epoch_backward, policy_metrics, score_old_policy
 from retrograd.train.rollouts import CompletionsLog, collect, greedy_rewards, rollout_metrics
 from retrograd.train.setup import (TrainResult, check_resumable, evaluation_due, finish, lr_for, open_metrics,
@@ -70,7 +70,11 @@ def train_ppo(cfg, resume: str | None = None, log=print) -> TrainResult:
         raise ConfigError(f"{cfg.source}: PPO's critic reads the final hidden states through the fused LM head; "
                           f"{model.config.model_type}'s head is not a plain linear layer")
     share_prompts = model.config.model_type in SHARED_PROMPT_MODELS
-    critic = Critic(model.config.hidden_size, critic_cfg, tr.seed) if critic_cfg.enabled else None
+    critic = None
+    if critic_cfg.enabled and critic_cfg.critic == "model":
+        critic = ModelCritic(critic_cfg, tr.seed, tok, run.device, log)
+    elif critic_cfg.enabled:
+        critic = Critic(model.config.hidden_size, critic_cfg, tr.seed)
     fingerprints = {"data": fingerprint_path(resolve_data_path(p.prompts))}
     if ev is not None:
         fingerprints["eval_data"] = fingerprint_path(resolve_data_path(ev.data))
@@ -89,7 +93,8 @@ def train_ppo(cfg, resume: str | None = None, log=print) -> TrainResult:
     metrics = open_metrics(run, total, progress)
     completions_log = CompletionsLog(run.run_dir, progress["step"], p.log_completions_every)
     log(f"training {total} steps of {p.rollout_batch_size} rollouts (<= {sp.max_new_tokens} tokens), "
-        f"{'GAE with a value head' if critic else 'whitened rewards, no critic'}; run folder {run.run_dir}")
+        f"{'GAE with a ' + critic_cfg.critic + ' critic' if critic else 'whitened rewards, no critic'}; "
+        f"run folder {run.run_dir}")
 
     def evaluate() -> dict:
         r = greedy_rewards(model, tok, eval_prompts, rewards, sp, eos, p.overlong_penalty)
@@ -135,6 +140,8 @@ def train_ppo(cfg, resume: str | None = None, log=print) -> TrainResult:
                     states = score_old_policy(scorer, update_batch)  # [L, W, H]
                     reward = rollouts.rewards[live]
                     if critic is not None:
+                        if isinstance(critic, ModelCritic):
+                            critic.bind(update_batch)
                         features = critic.features(states)
                         values = critic.values(features)  # [L, W]
                         advantages, returns = gae(terminal_rewards(reward, lengths, width), values, mask,
