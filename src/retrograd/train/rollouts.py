@@ -147,7 +147,9 @@ class CompletionsLog:
         self.every = every
         path = Path(run_dir) / "completions.jsonl"
         if path.exists():
-            keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+            # split on "\n" only: completions may hold U+2028 and other characters splitlines() breaks on
+            lines = path.read_text(encoding="utf-8").split("\n")
+            keep = [line for line in lines if line and json.loads(line)["step"] <= step]
             path.write_text("".join(line + "\n" for line in keep))
         self.file = path.open("a", encoding="utf-8")
 
