@@ -80,7 +80,7 @@ def test_required_keys_and_tables(tmp_path):
 def test_algorithm_tables_must_match(tmp_path):
     msg = error_of(tmp_path, BASE + '\n[grpo]\nupdates = 3\n')
     assert "[grpo] does not apply to run.algorithm = 'sft'" in msg
-    assert "not available in this version" in error_of(tmp_path, BASE.replace('"sft"', '"ppo"'))
+    assert "not available in this version" in error_of(tmp_path, BASE.replace('"sft"', '"agent_grpo"'))
     assert "needs a [grpo] table" in error_of(tmp_path, BASE.replace('"sft"', '"grpo"').split('[sft]')[0])
 
 
@@ -135,7 +135,7 @@ def test_gguf_output_and_full_with_lora_are_refused_clearly(tmp_path):
 def test_json_schema_lists_every_table_and_key():
     from retrograd.config.load import json_schema
     s = json_schema()
-    assert set(s["properties"]) == {"run", "model", "output", "lora", "training", "sft", "preference", "grpo", "ppo", "reference",
+    assert set(s["properties"]) == {"run", "model", "output", "lora", "training", "sft", "preference", "grpo", "ppo", "distill", "reference",
                                     "evaluation", "checkpoint", "metrics"}
     assert s["properties"]["preference"]["properties"]["loss"]["enum"] == ["dpo", "ipo", "simpo", "orpo"]
     lr = s["properties"]["training"]["properties"]["lr"]
@@ -194,3 +194,16 @@ def test_grpo_synonyms_and_recipes_resolve_to_modes(tmp_path):
     assert g('grpo.policy_loss="ppo"').policy_loss == "clip"  # an alias, stored by its name
     assert g('grpo.policy_loss="sapo"').policy_loss_params == {"tau_pos": 1.0, "tau_neg": 1.05}
     assert g('grpo.uncertainty_kind="entropy"', 'grpo.transform_mode="gtpo"').uncertainty_kind == "shannon_entropy"
+
+
+def test_every_example_config_loads():
+    """The examples are what users copy first: each must pass the config checks as shipped."""
+    from pathlib import Path
+
+    from retrograd.config import load_config
+    examples = sorted((Path(__file__).parents[2] / "examples").glob("*.toml"))
+    assert {"quickstart.toml", "grpo.toml", "dpo.toml", "ppo.toml", "distill.toml", "distill-topk.toml"} <= {
+        p.name for p in examples}
+    for path in examples:
+        cfg = load_config(path)
+        assert cfg.run.algorithm in ("sft", "preference", "grpo", "ppo", "distill"), path

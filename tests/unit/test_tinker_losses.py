@@ -74,7 +74,7 @@ def test_config_validation():
     with pytest.raises(LossInputError, match="not read by ppo"):
         resolve_config("ppo", {"beta": 1.0})
     with pytest.raises(LossInputError, match="not supported"):
-        resolve_config("stable_reinforce", None)
+        resolve_config("no_such_loss", None)
     assert resolve_config("ppo", {"clip_low_threshold": 0.5}) == {"clip_low_threshold": 0.5, "clip_high_threshold": 1.2}
 
 
