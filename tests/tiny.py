@@ -248,3 +248,55 @@ value_lr = 0.05
     cfg = tmp / name
     cfg.write_text(_merge(text, extra))
     return cfg
+
+
+def make_teacher_dir(path: Path, student_dir: Path, sharpen: float = 3.0) -> Path:
+    """A tiny model with `student_dir`'s tokenizer: that model at temperature 1 / `sharpen` (its head
+    untied and scaled). Distillation tests use a sharpened copy of a random model as the student (a
+    peaked distribution, as a real LM has) and a sharper copy of it as the teacher: a target the
+    student can reach, at a clear distance at the start."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(student_dir)
+    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(model.get_output_embeddings().weight * sharpen)
+    model.config.tie_word_embeddings = False
+    model.lm_head = head
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(student_dir).save_pretrained(path)
+    return path
+
+
+def write_distill_run(tmp: Path, model_dir: Path, teacher_dir: Path, extra: str = "", *, mode: str = "on_policy",
+                      updates: int = 8, name: str = "distill.toml") -> Path:
+    """A small distillation run.toml in `tmp`: on_policy samples the GRPO run's prompts; topk_offline
+    reads the SFT run's chat rows and the teacher's top-k in teacher.topk."""
+    write_grpo_run(tmp, model_dir, updates=1)  # prompts.jsonl
+    write_run(tmp, model_dir)  # train.jsonl, eval.jsonl
+    mode_keys = (f'prompts = "prompts.jsonl"\nupdates = {updates}\nprompts_per_update = 4\nsamples_per_prompt = 2\n'
+                 if mode == "on_policy" else 'data = "train.jsonl"\nsidecar = "teacher.topk"\noffline_epochs = 2\n')
+    text = f"""
+[run]
+algorithm = "distill"
+[model]
+path = "{model_dir}"
+[output]
+path = "out/adapter"
+[lora]
+rank = 4
+alpha = 8
+[training]
+lr = 0.02
+ctx = 64
+threads = 1
+batch_size = 4
+[distill]
+mode = "{mode}"
+teacher_path = "{teacher_dir}"
+{mode_keys}"""
+    if mode == "on_policy":
+        text += "[distill.sampling]\nmax_new_tokens = 8\nseed = 3\n"
+    cfg = tmp / name
+    cfg.write_text(_merge(text, extra))
+    return cfg

@@ -96,6 +96,18 @@ def build_parser() -> argparse.ArgumentParser:
     tc.add_argument("--groups", type=int, default=2, metavar="P", help="synthetic groups (2)")
     tc.add_argument("--json", action="store_true", help="print JSON")
 
+    dt = sub.add_parser("distill-teacher", help="write the teacher's top-k log-probs for offline distillation",
+                        description="Run [distill].teacher_path once over distill.data (and [evaluation].data) and "
+                                    "write its k most likely tokens per trained position; training with mode = "
+                                    "\"topk_offline\" then needs no teacher in memory.")
+    dt.add_argument("config", help="path to the run.toml (algorithm = \"distill\", mode = \"topk_offline\")")
+    dt.add_argument("--k", type=int, default=16, metavar="N", help="tokens kept per position (16)")
+    dt.add_argument("--out", metavar="F.topk", help="output file (default: distill.sidecar)")
+    dt.add_argument("--data", metavar="PATH", help="override distill.data")
+    dt.add_argument("--ctx", type=int, metavar="N", help="override training.ctx (training must use the same)")
+    dt.add_argument("--model", metavar="PATH", help="override distill.teacher_path")
+    dt.add_argument("--device", choices=("auto", "cpu", "cuda"), help="override [model].device")
+
     s = sub.add_parser("config-schema", help="print the JSON Schema of run.toml (for editor completion)")
     s.add_argument("--out", metavar="FILE", help="write to FILE instead of stdout")
     return p
@@ -117,6 +129,8 @@ def _train(args) -> int:
         from retrograd.train.grpo import train_grpo as train
     elif cfg.run.algorithm == "ppo":
         from retrograd.train.ppo import train_ppo as train
+    elif cfg.run.algorithm == "distill":
+        from retrograd.train.distill import train_distill as train
     else:
         from retrograd.train.sft import train_sft as train
     result = train(cfg, resume=args.resume)
@@ -161,6 +175,19 @@ def _plugins(args) -> int:
         cfg = load_config(args.config)
     c = catalog(cfg)
     print(json.dumps(c, indent=2, default=str) if args.json else format_catalog(c))
+    return 0
+
+
+def _distill_teacher(args) -> int:
+    from retrograd.config import load_config
+    from retrograd.train.distill_offline import write_teacher_topk
+    overrides = [f"{key}={json.dumps(value)}" for key, value in (("distill.data", args.data), ("training.ctx", args.ctx),
+                 ("distill.teacher_path", args.model), ("model.device", args.device)) if value is not None]
+    cfg = load_config(args.config, overrides)
+    if args.out is None and (cfg.distill is None or cfg.distill.sidecar is None):
+        print("error: give --out F.topk or distill.sidecar in the run.toml", file=sys.stderr)
+        return 2
+    write_teacher_topk(cfg, args.k, args.out)
     return 0
 
 
@@ -213,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
             return _plugins(args)
         if args.command == "trace":
             return _trace(args)
+        if args.command == "distill-teacher":
+            return _distill_teacher(args)
         if args.command in ("serve", "checkpoint"):
             from retrograd.service.cli import main_for
             return main_for(args)

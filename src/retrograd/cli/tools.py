@@ -20,8 +20,8 @@ def run_eval(cfg, adapter=None, checkpoint=None, data=None, as_json=False) -> in
     if as_json:
         print(json.dumps(out, indent=2))
         return 0
-    sides = [s for s in ("base", "trained") if f"{s}/loss" in out or f"{s}/accuracy" in out
-             or f"{s}/mean_reward" in out]
+    sides = [s for s in ("base", "trained") if any(f"{s}/{k}" in out for k in ("loss", "accuracy", "mean_reward",
+                                                                              "teacher_kl"))]
     if cfg.run.algorithm == "preference":
         print(f"{out['pairs']} pairs of {out['data']}")
         print(f"{'':10s}{'accuracy':>10s}{'chosen logp/tok':>17s}{'rejected logp/tok':>19s}")
@@ -33,7 +33,13 @@ def run_eval(cfg, adapter=None, checkpoint=None, data=None, as_json=False) -> in
                   f"{out['trained/preference_loss']:.4f}, reward accuracy {out['trained/reward_accuracy']:.3f}, "
                   f"margin {out['trained/margin']:.4f}")
         return 0
-    if cfg.run.algorithm in ("grpo", "ppo"):
+    if cfg.run.algorithm == "distill":
+        what = (f"greedy completions of {out['prompts']} prompts" if "prompts" in out else f"{out['rows']} rows")
+        print(f"{what} of {out['data']}, against the teacher {cfg.distill.teacher_path}")
+        print(f"{'':10s}{'KL to teacher':>15s}{'top-1 agreement':>17s}")
+        for side in sides:
+            print(f"{side:10s}{out[side + '/teacher_kl']:15.4f}{out[side + '/top1_agreement']:17.3f}")
+    elif cfg.run.algorithm in ("grpo", "ppo"):
         print(f"{out['prompts']} prompts of {out['data']}, greedy completions")
         for side in sides:
             per = {k.split("/", 1)[1]: v for k, v in out.items()

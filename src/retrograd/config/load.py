@@ -190,6 +190,7 @@ def load_config(path: Union[str, Path], overrides: Optional[list[str]] = None) -
     cfg = _resolve_preference(cfg, src)
     cfg = _resolve_grpo(cfg, src, base)
     cfg = _resolve_ppo(cfg, src, base)
+    cfg = _resolve_distill(cfg, src, base)
     if cfg.model.path and not cfg.model.path.startswith("builtin:"):
         # a model path that exists relative to the TOML resolves there; otherwise it stays an alias
         candidate = (base / os.path.expanduser(cfg.model.path))
@@ -249,12 +250,39 @@ def _resolve_ppo(cfg: RunConfig, src: Path, base: Path) -> RunConfig:
     return dataclasses.replace(cfg, ppo=dataclasses.replace(p, **subs))
 
 
+def _resolve_distill(cfg: RunConfig, src: Path, base: Path) -> RunConfig:
+    """Keys of the other mode are refused; the chosen mode's unset keys get their defaults."""
+    d = cfg.distill
+    if d is None:
+        return cfg
+    mine, theirs = ((schema.DISTILL_ON_POLICY, schema.DISTILL_OFFLINE) if d.mode == "on_policy"
+                    else (schema.DISTILL_OFFLINE, schema.DISTILL_ON_POLICY))
+    wrong = [k for k in theirs if getattr(d, k) is not None]
+    if wrong:
+        raise ConfigError(f"{src}: distill.{wrong[0]} is not read by mode = {d.mode!r}; remove it")
+    missing = [k for k, v in mine.items() if v is None and getattr(d, k) is None]
+    if missing:
+        raise ConfigError(f"{src}: [distill] mode = {d.mode!r} needs {missing[0]}")
+    filled = {k: getattr(d, k) if getattr(d, k) is not None else v for k, v in mine.items()}
+    if d.mode == "on_policy":
+        filled["sampling"] = _build_table("distill.sampling", schema.GrpoSamplingTable, filled["sampling"], src, base)
+        if filled["sampling"].max_new_tokens >= cfg.training.ctx:
+            raise ConfigError(f"{src}: distill.sampling.max_new_tokens leaves no room for the prompt in training.ctx")
+    if d.mode == "topk_offline" and cfg.training.epochs != 1:
+        raise ConfigError(f"{src}: offline distillation counts its passes in distill.offline_epochs, not "
+                          "training.epochs")
+    teacher = base / os.path.expanduser(d.teacher_path)
+    if teacher.exists():
+        filled["teacher_path"] = str(teacher.resolve())
+    return dataclasses.replace(cfg, distill=dataclasses.replace(d, **filled))
+
+
 PREFERENCE_BETA = {"dpo": 0.1, "ipo": 0.1, "simpo": 2.0, "orpo": 0.1}
 
 
 def _resolve_preference(cfg: RunConfig, src: Path) -> RunConfig:
     """Refuse [preference] keys the chosen loss does not read, then fill the loss's defaults."""
-    if cfg.reference is not None and cfg.run.algorithm not in ("preference", "grpo"):  # (PPO's KL is toward the rollout policy)
+    if cfg.reference is not None and cfg.run.algorithm not in ("preference", "grpo", "distill"):  # (PPO's KL is toward the rollout policy)
         raise ConfigError(f"{src}: [reference] does not apply to run.algorithm = {cfg.run.algorithm!r}")
     pc = cfg.preference
     if pc is None:
@@ -295,6 +323,13 @@ def _cross_checks(cfg: RunConfig, src: Path) -> None:
         raise ConfigError(f"{src}: output.kind = 'peft' needs training.trainable = 'lora'")
     if kind == "peft" and out.path.endswith(".gguf"):
         raise ConfigError(f"{src}: output.kind = 'peft' writes a folder, but output.path ends in .gguf")
+    for table in ("grpo", "distill"):  # their KL term's reference is the policy with its adapter disabled
+        t = getattr(cfg, table)
+        if t is not None and (t.kl_coefficient or 0) > 0 and tr.trainable == "full" and cfg.reference is None:
+            raise ConfigError(f"{src}: {table}.kl_coefficient > 0 with training.trainable = 'full' needs a "
+                              "[reference] model (without LoRA there is no adapter to disable for the base)")
+    if cfg.distill is not None and cfg.reference is not None and not cfg.distill.kl_coefficient:
+        raise ConfigError(f"{src}: [reference] is only used by the KL term, and distill.kl_coefficient = 0")
     ck = cfg.checkpoint
     if ck is not None:
         if ck.mode in ("steps", "steps_and_best_eval") and ck.every_steps is None:

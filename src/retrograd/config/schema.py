@@ -26,7 +26,7 @@ def opt(default: Any = None, *, help: str, choices: tuple | None = None, min: fl
 
 
 ALGORITHMS = ("sft", "preference", "ppo", "grpo", "distill", "agent_grpo")
-SUPPORTED_ALGORITHMS = ("sft", "preference", "grpo", "ppo")
+SUPPORTED_ALGORITHMS = ("sft", "preference", "grpo", "ppo", "distill")
 
 
 @dataclass(frozen=True)
@@ -300,6 +300,45 @@ class PpoTable:
     overlong_penalty: Optional[dict] = opt(None, help="[ppo.overlong_penalty]: buffer_tokens, max_penalty")
 
 
+@dataclass(frozen=True)
+class DistillTable:
+    mode: str = opt("on_policy", choices=("on_policy", "topk_offline"),
+                    help="on_policy: the student samples, the teacher scores every sampled token; topk_offline: "
+                         "forward KL on the teacher's top-k log-probs written once by `retrograd distill-teacher`")
+    teacher_path: str = opt(REQUIRED, trajectory=False,
+                            help="the teacher (HF folder, .gguf or alias); the same tokenizer as the student")
+    # ---- on_policy ----
+    prompts: Optional[str] = opt(None, path=True, trajectory=False,
+                                 help="on_policy: prompt rows (as [grpo] prompts; chat rows may end on assistant "
+                                      "turns, which are left out: SFT data works as is)")
+    updates: Optional[int] = opt(None, min=1, help="on_policy: updates (default training.max_steps, else one pass)")
+    prompts_per_update: Optional[int] = opt(None, min=1, help="on_policy: prompts per update (4)")
+    samples_per_prompt: Optional[int] = opt(None, min=1, max=256, help="on_policy: completions per prompt (1)")
+    distill_epochs: Optional[int] = opt(None, min=1, help="on_policy: optimizer steps per update (1)")
+    clip_range_low: Optional[float] = opt(None, min=0, max=1, help="on_policy: ratio clip below 1 (0.2; distill_epochs > 1)")
+    clip_range_high: Optional[float] = opt(None, min=0, help="on_policy: ratio clip above 1 (0.28; distill_epochs > 1)")
+    weight_clip: Optional[float] = opt(None, min=0, min_exclusive=True,
+                                       help="on_policy: per-token advantage log p_T - log p_S clamped to +-this (5.0 nats)")
+    kl_coefficient: Optional[float] = opt(None, min=0, help="on_policy: k3 KL toward the base (the adapter disabled), 0")
+    mask_truncated: Optional[bool] = opt(None, help="on_policy: leave out completions that hit max_new_tokens (false)")
+    prompt_order: Optional[str] = opt(None, choices=("sequential", "shuffled"), help="on_policy: prompt order (shuffled)")
+    sampling: Optional[dict] = opt(None, help="on_policy: [distill.sampling] (as [grpo.sampling])")
+    log_completions_every: int = opt(1, min=0, trajectory=False, help="on_policy: completions.jsonl every N updates")
+    # ---- topk_offline ----
+    data: Optional[str] = opt(None, path=True, trajectory=False,
+                              help="topk_offline: the rows the teacher scored (chat / prompt-completion / text, as [sft])")
+    sidecar: Optional[str] = opt(None, path=True, trajectory=False,
+                                 help="topk_offline: the .topk file `retrograd distill-teacher` wrote")
+    offline_epochs: Optional[int] = opt(None, min=1, help="topk_offline: passes over the data (1)")
+    template_variables: dict = opt({}, help="extra variables passed to the chat template")
+
+
+DISTILL_ON_POLICY = {"prompts": None, "updates": None, "prompts_per_update": 4, "samples_per_prompt": 1,
+                     "distill_epochs": 1, "clip_range_low": 0.2, "clip_range_high": 0.28, "weight_clip": 5.0,
+                     "kl_coefficient": 0.0, "mask_truncated": False, "prompt_order": "shuffled", "sampling": {}}
+DISTILL_OFFLINE = {"data": None, "sidecar": None, "offline_epochs": 1}
+
+
 PPO_SUBTABLES = {"sampling": GrpoSamplingTable, "critic": PpoCriticTable, "overlong_penalty": GrpoOverlongTable}
 
 
@@ -356,6 +395,7 @@ class RunConfig:
     preference: Optional[PreferenceTable] = None
     grpo: Optional[GrpoTable] = None
     ppo: Optional[PpoTable] = None
+    distill: Optional[DistillTable] = None
     reference: Optional[ReferenceTable] = None
     evaluation: Optional[EvaluationTable] = None
     checkpoint: Optional[CheckpointTable] = None
@@ -367,6 +407,7 @@ class RunConfig:
 TABLES: dict[str, type] = {
     "run": RunTable, "model": ModelTable, "output": OutputTable, "lora": LoraTable,
     "training": TrainingTable, "sft": SftTable, "preference": PreferenceTable, "grpo": GrpoTable, "ppo": PpoTable,
+    "distill": DistillTable,
     "reference": ReferenceTable,
     "evaluation": EvaluationTable,
     "checkpoint": CheckpointTable, "metrics": MetricsTable,

@@ -24,7 +24,8 @@ class Prompt:
     where: str = ""
 
 
-def render_prompt(tok, row: dict, where: str, ctx: int, max_new_tokens: int, template_variables: dict) -> Prompt:
+def render_prompt(tok, row: dict, where: str, ctx: int, max_new_tokens: int, template_variables: dict,
+                  cut_answers: bool = False) -> Prompt:
     if "messages" in row:
         messages, key = _messages(where, row["messages"], "messages"), "messages"
     elif "prompt" in row:
@@ -38,6 +39,11 @@ def render_prompt(tok, row: dict, where: str, ctx: int, max_new_tokens: int, tem
     if isinstance(messages, str):
         ids, text = tok(messages, add_special_tokens=False)["input_ids"], messages
     else:
+        if cut_answers:  # an SFT row: the prompt is everything before its final assistant turn(s)
+            while messages and messages[-1]["role"] == "assistant":
+                messages = messages[:-1]
+            if not messages:
+                raise DataError(f"{where}: the row has no turn before its assistant answer")
         if messages[-1]["role"] != "user":
             raise DataError(f"{where}: the prompt must end on a user turn (it ends on {messages[-1]['role']!r})")
         rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_variables)
@@ -48,9 +54,13 @@ def render_prompt(tok, row: dict, where: str, ctx: int, max_new_tokens: int, tem
     return Prompt(ids, text, {k: v for k, v in row.items() if k != key}, where)
 
 
-def load_prompts(path: str, tok, ctx: int, max_new_tokens: int, template_variables: dict | None = None) -> list[Prompt]:
+def load_prompts(path: str, tok, ctx: int, max_new_tokens: int, template_variables: dict | None = None,
+                 cut_answers: bool = False) -> list[Prompt]:
+    """`cut_answers`: chat rows may end on assistant turns, which are left out (distillation reads SFT data;
+    the student writes its own answer)."""
     p = resolve_data_path(path)
-    out = [render_prompt(tok, row, f"{p}:{n}", ctx, max_new_tokens, template_variables or {}) for n, row in read_jsonl(p)]
+    out = [render_prompt(tok, row, f"{p}:{n}", ctx, max_new_tokens, template_variables or {}, cut_answers)
+           for n, row in read_jsonl(p)]
     if not out:
         raise DataError(f"{p}: no prompts")
     keys = set(out[0].columns)

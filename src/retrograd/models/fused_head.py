@@ -134,3 +134,79 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: t
         return torch.cat([checkpoint(plain, hidden[s:s + chunk_size], targets[s:s + chunk_size], use_reentrant=False)
                           for s in range(0, hidden.shape[0], chunk_size)])
     return _LinearTokenLogprobs.apply(hidden, weight, targets, chunk_size)
+
+
+# ---- offline distillation: forward KL to a teacher's top-k ----------------------------------------
+# log(1 - sum of the top-k probabilities) is clamped below this, so that a top-k holding (nearly) all
+# the mass gives a finite tail term (its weight, the teacher's tail probability, is ~0 there)
+TAIL_LOG_MAX = -1e-6
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, accurate at both ends (Maechler 2012)."""
+    return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def topk_bucket_kl(student_logp: torch.Tensor, ids: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
+    """Per position, KL(teacher || student) over k + 1 buckets: the teacher's top-k tokens and the tail
+    (everything else). student_logp [C, V] log-softmax, ids [C, k], teacher_logp [C, k] -> [C]."""
+    s_k = student_logp.gather(1, ids)  # [C, k]
+    p_k = teacher_logp.exp()
+    t_tail_log = log1mexp(torch.logsumexp(teacher_logp, -1).clamp(max=TAIL_LOG_MAX))
+    s_tail_log = log1mexp(torch.logsumexp(s_k, -1).clamp(max=TAIL_LOG_MAX))
+    return (p_k * (teacher_logp - s_k)).sum(-1) + t_tail_log.exp() * (t_tail_log - s_tail_log)
+
+
+class _LinearTopkKlSum(torch.autograd.Function):
+    """sum over positions of topk_bucket_kl; the gradient w.r.t. the logits z is computed in the forward,
+    chunk by chunk: with q = softmax(z), K the teacher's top-k, p_K their teacher probabilities, P = sum p_K,
+    S = sum q_K:  dL/dz_j = q_j - p_j for j in K, and q_j (P - (1 - P) S / (1 - S)) elsewhere."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, ids, teacher_logp, chunk_size):
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        loss = hidden.new_zeros((), dtype=acc)
+        grad_h = torch.empty_like(hidden) if hidden.requires_grad else None
+        grad_w = torch.zeros_like(weight, dtype=acc) if weight.requires_grad else None
+        for start in range(0, hidden.shape[0], chunk_size):
+            h, k_ids = hidden[start:start + chunk_size], ids[start:start + chunk_size]
+            t = teacher_logp[start:start + chunk_size].to(acc)
+            logp = torch.log_softmax(h @ weight.t(), dim=-1, dtype=acc)  # [C, V]
+            loss += topk_bucket_kl(logp, k_ids, t).sum()
+            q = logp.exp_()
+            big_p = t.exp().sum(-1).clamp(max=1.0)
+            q_k = q.gather(1, k_ids)
+            s = q_k.sum(-1).clamp(max=1.0 - 1e-6)
+            outside = big_p - (1.0 - big_p) * s / (1.0 - s)  # [C]
+            g = q.mul_(outside[:, None]).scatter_(1, k_ids, q_k - t.exp()).to(hidden.dtype)
+            if grad_h is not None:
+                grad_h[start:start + chunk_size] = g @ weight
+            if grad_w is not None:
+                grad_w.addmm_(g.t().to(acc), h.to(acc))
+        ctx.save_for_backward(grad_h if grad_h is not None else torch.empty(0),
+                              grad_w if grad_w is not None else torch.empty(0))
+        ctx.has = (grad_h is not None, grad_w is not None)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = grad_h * grad_out.to(grad_h.dtype) if ctx.has[0] else None
+        gw = (grad_w * grad_out).to(grad_w.dtype) if ctx.has[1] else None
+        return gh, gw, None, None, None
+
+
+def linear_topk_kl_sum(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, teacher_logp: torch.Tensor,
+                       chunk_size: int = 1024) -> torch.Tensor:
+    """Summed forward KL from a teacher's top-k (with the tail mass as one more bucket) to
+    softmax(hidden @ weight.T), never holding more than [chunk_size, V] logits. hidden [N, H],
+    weight [V, H], ids [N, k] (long), teacher_logp [N, k] -> scalar float32."""
+    if hidden.shape[0] == 0:
+        return hidden.sum() * 0.0 + weight.sum() * 0.0
+    if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
+        with torch.no_grad():
+            acc = torch.promote_types(hidden.dtype, torch.float32)
+            return sum((topk_bucket_kl(torch.log_softmax(hidden[s:s + chunk_size] @ weight.t(), -1, dtype=acc),
+                                       ids[s:s + chunk_size], teacher_logp[s:s + chunk_size].to(acc)).sum()
+                        for s in range(0, hidden.shape[0], chunk_size)), torch.zeros((), dtype=acc))
+    return _LinearTopkKlSum.apply(hidden, weight, ids, teacher_logp, chunk_size)

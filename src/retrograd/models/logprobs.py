@@ -2,7 +2,7 @@
 
 `Scorer(model)` runs the decoder and the LM head, through the fused chunked head
 (models/fused_head.py: no [B, T, V] logits) when the head is a plain linear layer, else through the
-model's own logits. One scorer, five readings:
+model's own logits. One scorer, these readings:
 
   loss_sum(batch)            summed next-token cross-entropy of the labelled tokens (SFT)
   sequence_logprobs(batch)   [B] summed log-probabilities of each row's labelled tokens (preference)
@@ -10,6 +10,8 @@ model's own logits. One scorer, five readings:
   shared_prompt_logprobs     the same [N, W], each prompt run once for all its completions and the
                              prompts' common prefix once for all prompts, through the KV cache (RL)
   target_logprobs(rows)      log p(target) per datum at every input position (the Tinker service)
+  target_and_top1(batch)     log p(label) and whether it is the first choice, per labelled position (distill)
+  compare(other, batch)      KL to another model and top-1 agreement at every labelled position (distill)
 
 `split_prompts` lays out prompts for a shared-prefix forward; the sampler's prefill and the RL
 training forward both use it, so the positions they give the model are the same.
@@ -146,6 +148,38 @@ class Scorer:
             return out
         h = before[keep].detach()
         return out, h.new_zeros(n, width, h.shape[-1]).index_put((r, c), h)
+
+    def labelled_distributions(self, batch: dict, chunk: int = CE_CHUNK_ROWS):
+        """Yield (float32 log-softmax [n, V], targets [n]) over the labelled positions, `chunk` rows at a
+        time (the fused head never holds [B, T, V]; a model with logit transforms goes through its logits)."""
+        if self.fused:
+            h, y = select_targets(self.hidden(batch), batch["labels"])
+            for s in range(0, h.shape[0], chunk):
+                yield torch.log_softmax(h[s:s + chunk] @ self.head.weight.t(), -1, dtype=torch.float32), y[s:s + chunk]
+            return
+        keep = batch["labels"][:, 1:] != IGNORE
+        logits, y = self.logits(batch)[:, :-1][keep], batch["labels"][:, 1:][keep]
+        for s in range(0, logits.shape[0], chunk):
+            yield torch.log_softmax(logits[s:s + chunk], -1, dtype=torch.float32), y[s:s + chunk]
+
+    @torch.no_grad()
+    def target_and_top1(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """At every labelled position: ([N] float32 log p(label), [N] bool: the label is the model's first choice)."""
+        lp, top1 = [torch.zeros(0)], [torch.zeros(0, dtype=torch.bool)]
+        for logp, y in self.labelled_distributions(batch):
+            lp.append(logp.gather(-1, y[:, None]).squeeze(-1).cpu())
+            top1.append((logp.argmax(-1) == y).cpu())
+        return torch.cat(lp), torch.cat(top1)
+
+    @torch.no_grad()
+    def compare(self, other: "Scorer", batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """At every labelled position, this model against `other` over the whole vocabulary: ([N] float32
+        KL(p_self || p_other), [N] bool: both put the same token first)."""
+        kl, same = [torch.zeros(0)], [torch.zeros(0, dtype=torch.bool)]
+        for (a, _), (b, _) in zip(self.labelled_distributions(batch), other.labelled_distributions(batch)):
+            kl.append((a.exp() * (a - b.to(a.device))).sum(-1).cpu())
+            same.append((a.argmax(-1) == b.to(a.device).argmax(-1)).cpu())
+        return torch.cat(kl), torch.cat(same)
 
     def target_logprobs(self, rows: list[tuple[list[int], torch.Tensor]]) -> list[torch.Tensor]:
         """Tinker datums (input tokens, target_tokens [N] or [N, K]) -> log p(target) per datum: [N], or

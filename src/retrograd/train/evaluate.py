@@ -130,11 +130,54 @@ def eval_rl(cfg, model, tok, label, data) -> dict:
     return out
 
 
+def eval_distill(cfg, model, tok, label, data) -> dict:
+    """Per side, the exact KL(student || teacher) per position over the whole vocabulary and the top-1
+    agreement: on the student's greedy completions of `data`'s prompts (on_policy, as the run's own
+    evaluation), or on the rows of `data` as written (topk_offline)."""
+    from retrograd.data.sampler import evenly_spaced
+    from retrograd.models.logprobs import Scorer, to_device
+    from retrograd.rl.sampler import eos_ids
+    from retrograd.train.distill import evaluate_against_teacher, load_teacher
+    from retrograd.train.distill_offline import render
+    import torch
+
+    from retrograd.data.sft import collate as collate_rows
+    d, device = cfg.distill, next(model.parameters()).device
+    teacher = load_teacher(cfg, tok, device, _log)
+    out = {"data": str(data), "trained_from": label}
+    limit = cfg.evaluation.max_examples if cfg.evaluation else None
+    if d.mode == "on_policy":
+        from retrograd.data.prompts import load_prompts
+        prompts = load_prompts(data, tok, cfg.training.ctx, d.sampling.max_new_tokens, d.template_variables,
+                               cut_answers=True)
+        prompts = [prompts[i] for i in evenly_spaced(len(prompts), limit)]
+        out["prompts"] = len(prompts)
+        for side, context in _sides(model, label):
+            with context:
+                r = evaluate_against_teacher(model, tok, teacher, prompts, d.sampling, eos_ids(tok, model))
+            out.update({f"{side}/teacher_kl": r["eval/teacher_kl"], f"{side}/top1_agreement": r["eval/top1_agreement"]})
+        return out
+    rows = render(tok, data, cfg.training.ctx, d.template_variables)
+    rows = [rows[i] for i in evenly_spaced(len(rows), limit)]
+    out["rows"] = len(rows)
+    student = Scorer(model)
+    for side, context in _sides(model, label):
+        kls, same = [], []
+        with context:
+            for i in range(0, len(rows), 8):
+                kl, agree = student.compare(teacher, to_device(collate_rows(rows[i:i + 8], tok.pad_token_id), device))
+                kls.append(kl)
+                same.append(agree)
+        out.update({f"{side}/teacher_kl": float(torch.cat(kls).mean()),
+                    f"{side}/top1_agreement": float(torch.cat(same).double().mean())})
+    return out
+
+
 def evaluate_trained(cfg, adapter=None, checkpoint=None, data=None) -> dict:
     """The base and the trained model on `data` (default [evaluation].data), by the run's algorithm."""
     data = data or (cfg.evaluation.data if cfg.evaluation else None)
     if data is None:
         raise ConfigError("retrograd eval needs evaluation data: an [evaluation] table with data, or --data PATH")
     model, tok, label = load_trained(cfg, adapter, checkpoint)
-    by_algorithm = {"preference": eval_preference, "grpo": eval_rl, "ppo": eval_rl}
+    by_algorithm = {"preference": eval_preference, "grpo": eval_rl, "ppo": eval_rl, "distill": eval_distill}
     return by_algorithm.get(cfg.run.algorithm, eval_sft)(cfg, model, tok, label, data)

@@ -5,6 +5,7 @@ checkpoint; always write [output].path. The building blocks are in train/setup.p
 
 What differs per algorithm lives in a Task (train/sft.py, train/preference.py), all of it required:
   rows, rows_per_step, shuffle      what one step consumes (step_description says it in words)
+  epochs                            passes over rows (training.epochs; distill.offline_epochs)
   fingerprints                      data files a resume must find unchanged
   eval_metric                       the evaluation number best.state minimises ("loss", ...)
   prepare(resume_path)              work before the first step (e.g. scoring the reference once)
@@ -32,7 +33,7 @@ def train_offline(cfg, make_task: Callable[[Run], object], resume: str | None = 
     resume_path = resolve_resume(cfg, resume)
     run = start_run(cfg, log)
     task = make_task(run)
-    total_steps = tr.max_steps or tr.epochs * steps_per_epoch(len(task.rows), task.rows_per_step)
+    total_steps = tr.max_steps or task.epochs * steps_per_epoch(len(task.rows), task.rows_per_step)
     meta = run_meta(run.cfg, {"model": run.loaded.fingerprint, **task.fingerprints}, trajectory_settings(run.cfg),
                     run.lora_modules)
     check_resumable(resume_path, meta)

@@ -60,6 +60,7 @@ class PreferenceTask:
         s.log(f"data: {len(self.rows)} training pairs" + (f", {len(self.eval_rows)} evaluation pairs" if ev else ""))
         self.params = PreferenceParams(pc.loss, pc.beta, pc.label_smoothing or 0.0, pc.gamma_beta_ratio or 0.5)
         self.shuffle = pc.shuffle
+        self.epochs = tr.epochs
         self.rows_per_step = pc.pairs_per_step or tr.batch_size * tr.gradient_accumulation
         self.step_description = f"{self.rows_per_step} pairs ({pc.loss}, beta {pc.beta})"
         self.fingerprints = {"data": fingerprint_path(resolve_data_path(pc.data))}

@@ -49,6 +49,7 @@ class SftTask:
         run.log(f"data: {len(self.rows)} training rows ({truncated} truncated to ctx {tr.ctx})"
                 + (f", {len(self.eval_rows)} evaluation rows" if ev else ""))
         self.shuffle = sft.shuffle
+        self.epochs = tr.epochs
         self.rows_per_step = tr.batch_size * tr.gradient_accumulation
         self.step_description = (f"{self.rows_per_step} rows ({tr.batch_size} x {tr.gradient_accumulation} "
                                  "accumulation)")
