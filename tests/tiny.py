@@ -41,12 +41,12 @@ def make_tokenizer(merges: tuple[str, ...] = (), split_digits: bool = False, pre
 
 
 def make_model_dir(path: Path, seed: int = 0, hidden: int = 32, layers: int = 2, tie: bool = True,
-                   tokenizer=None) -> Path:
+                   tokenizer=None, max_positions: int = 512) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     tok = tokenizer or make_tokenizer()
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                       tie_word_embeddings=tie, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                       pad_token_id=tok.pad_token_id)
     torch.manual_seed(seed)

@@ -108,6 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
     dt.add_argument("--model", metavar="PATH", help="override distill.teacher_path")
     dt.add_argument("--device", choices=("auto", "cpu", "cuda"), help="override [model].device")
 
+    jd = sub.add_parser("judge", help="check a run's LLM judge before training with it")
+    jsub = jd.add_subparsers(dest="judge_command", metavar="SUBCOMMAND", required=True)
+    je = jsub.add_parser("eval", help="agreement with labelled fixtures (Kendall tau, Spearman rho) and "
+                                      "self-consistency of the run's [grpo.judge] / [ppo.judge]")
+    je.add_argument("config", help="path to the run.toml")
+    je.add_argument("--fixtures", required=True, metavar="F.jsonl",
+                    help='rows {"prompt": ..., "completions": [...], "labels": [...]} (optional "rubric")')
+    je.add_argument("--json", action="store_true", help="print JSON")
+
     s = sub.add_parser("config-schema", help="print the JSON Schema of run.toml (for editor completion)")
     s.add_argument("--out", metavar="FILE", help="write to FILE instead of stdout")
     return p
@@ -242,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
             return _trace(args)
         if args.command == "distill-teacher":
             return _distill_teacher(args)
+        if args.command == "judge":
+            from retrograd.config import load_config
+            from retrograd.rl.judge_eval import run_judge_eval
+            return run_judge_eval(load_config(args.config), args.fixtures, args.json)
         if args.command in ("serve", "checkpoint"):
             from retrograd.service.cli import main_for
             return main_for(args)

@@ -213,8 +213,10 @@ def _resolve_grpo(cfg: RunConfig, src: Path, base: Path) -> RunConfig:
     sampling = subs["sampling"]
     if cfg.reference is not None and g.kl_coefficient == 0:
         raise ConfigError(f"{src}: [reference] is only used by the KL term, and grpo.kl_coefficient = 0")
-    if not g.rewards and not g.reward_command:
-        raise ConfigError(f"{src}: [grpo] needs at least one reward: [[grpo.rewards]] tables or reward_command")
+    if not g.rewards and not g.reward_command and g.judge is None:
+        raise ConfigError(f"{src}: [grpo] needs at least one reward: [[grpo.rewards]] tables, reward_command or "
+                          "[grpo.judge]")
+    subs["judge"] = _resolve_judge(g, "grpo", src, base)
     if sampling.max_new_tokens >= cfg.training.ctx:
         raise ConfigError(f"{src}: grpo.sampling.max_new_tokens = {sampling.max_new_tokens} leaves no room for the "
                           f"prompt in training.ctx = {cfg.training.ctx}")
@@ -233,8 +235,13 @@ def _resolve_ppo(cfg: RunConfig, src: Path, base: Path) -> RunConfig:
         return cfg
     subs = {key: None if getattr(p, key) is None else _build_table(f"ppo.{key}", cls, getattr(p, key), src, base)
             for key, cls in schema.PPO_SUBTABLES.items()}
-    if not p.rewards and not p.reward_command:
-        raise ConfigError(f"{src}: [ppo] needs at least one reward: [[ppo.rewards]] tables or reward_command")
+    if not p.rewards and not p.reward_command and p.judge is None:
+        raise ConfigError(f"{src}: [ppo] needs at least one reward: [[ppo.rewards]] tables, reward_command or "
+                          "[ppo.judge]")
+    subs["judge"] = _resolve_judge(p, "ppo", src, base)
+    if subs["judge"] is not None and subs["judge"].mode != "pointwise":
+        raise ConfigError(f"{src}: ppo.judge.mode = {subs['judge'].mode!r} compares a group's completions; PPO "
+                          "samples one completion per prompt: use mode = \"pointwise\"")
     if subs["sampling"].max_new_tokens >= cfg.training.ctx:
         raise ConfigError(f"{src}: ppo.sampling.max_new_tokens = {subs['sampling'].max_new_tokens} leaves no room for "
                           f"the prompt in training.ctx = {cfg.training.ctx}")
@@ -248,6 +255,23 @@ def _resolve_ppo(cfg: RunConfig, src: Path, base: Path) -> RunConfig:
     if critic.critic != "model" and critic.rank != schema.PpoCriticTable().rank:
         raise ConfigError(f"{src}: ppo.critic.rank is read by critic = \"model\" only")
     return dataclasses.replace(cfg, ppo=dataclasses.replace(p, **subs))
+
+
+def _resolve_judge(table, name: str, src: Path, base: Path):
+    """[<name>.judge] built and checked, with its weight; None without a judge."""
+    if table.judge is None:
+        if table.judge_weight is not None:
+            raise ConfigError(f"{src}: {name}.judge_weight weighs a judge; add a [{name}.judge] table or remove it")
+        return None
+    if table.judge_weight is None:
+        raise ConfigError(f"{src}: [{name}.judge] needs {name}.judge_weight (the reward is reward + judge_weight x "
+                          "verdict, the verdict in [0, 1])")
+    judge = _build_table(f"{name}.judge", schema.JudgeTable, table.judge, src, base)
+    if not judge.base_url.startswith(("http://", "https://")):
+        raise ConfigError(f"{src}: {name}.judge.base_url = {judge.base_url!r} must start with http:// or https://")
+    if judge.mode == "pairwise" and getattr(table, "group_size", 2) < 2:
+        raise ConfigError(f"{src}: {name}.judge.mode = \"pairwise\" needs groups of at least 2 completions")
+    return judge
 
 
 def _resolve_distill(cfg: RunConfig, src: Path, base: Path) -> RunConfig:

@@ -247,6 +247,38 @@ class GrpoTable:
     sepa: Optional[dict] = opt(None, help="[grpo.sepa]: steps, schedule, delay_steps, correct_rate_gate")
     delight: Optional[dict] = opt(None, help="[grpo.delight]: eta, eta_mode, norm_mode, lambda, k_frac, ...")
     entropy_mask: Optional[dict] = opt(None, help="[grpo.entropy_mask]: rho")
+    judge: Optional[dict] = opt(None, help="[grpo.judge]: an OpenAI-compatible LLM judge as one more reward")
+    judge_weight: Optional[float] = opt(None, help="with a judge (required): reward + judge_weight x verdict in [0, 1]")
+    judge_failure: str = opt("drop_group", choices=("drop_group", "fail"),
+                             help="a group the judge fails on: left out of the update, or the run stops")
+    max_judge_dropped_fraction: float = opt(0.5, min=0, max=1,
+                                            help="stop when the judge fails on more of an update's groups than this")
+
+
+@dataclass(frozen=True)
+class JudgeTable:
+    type: str = opt("judge", choices=("judge", "ruler"), help="judge (alias ruler): an OpenAI-compatible chat model")
+    base_url: str = opt(REQUIRED, trajectory=False, help="the server's OpenAI API root, e.g. http://127.0.0.1:8080/v1")
+    model: str = opt(REQUIRED, help="the model name sent with each request")
+    api_key_env: str = opt("OPENAI_API_KEY", trajectory=False,
+                           help="environment variable holding the API key (keys never go in the TOML); the default "
+                                "may be unset for a local server")
+    mode: str = opt("pointwise", choices=("pointwise", "listwise", "pairwise"),
+                    help="pointwise: a 0-10 score per completion; listwise: a group's completions scored together; "
+                         "pairwise: win rates of pairs")
+    rubric: Optional[str] = opt(None, help="what the judge looks for (a prompt row's \"rubric\" field overrides it)")
+    listwise_orders: int = opt(2, min=1, max=16, help="listwise: permuted orders per group, averaged")
+    both_orders: bool = opt(True, help="pairwise: ask every pair as A/B and B/A")
+    max_pairs: int = opt(0, min=0, help="pairwise: at most this many pairs per group (0: all)")
+    temperature: float = opt(0.0, min=0, help="the judge's sampling temperature")
+    max_tokens: int = opt(256, min=1, help="the judge's reply length limit")
+    structured_output: bool = opt(True, help="send the reply's JSON schema as response_format")
+    max_concurrency: int = opt(4, min=1, max=256, trajectory=False, help="requests in flight")
+    timeout_seconds: float = opt(120.0, min=0, min_exclusive=True, trajectory=False,
+                                 help="deadline of one request (a slow server is cut off there)")
+    max_retries: int = opt(2, min=0, max=20, trajectory=False, help="retries of a failed request")
+    cache_path: Optional[str] = opt(None, path=True, trajectory=False,
+                                    help="a JSON-lines cache of replies (default: judge-cache.jsonl in the run folder)")
 
 
 GRPO_SUBTABLES = {"sampling": GrpoSamplingTable, "overlong_penalty": GrpoOverlongTable,
@@ -298,6 +330,12 @@ class PpoTable:
     sampling: dict = opt({}, help="[ppo.sampling]: max_new_tokens, temperature, top_p, top_k, seed, stop, dtype")
     critic: dict = opt({}, help="[ppo.critic]: enabled, critic, gamma, gae_lambda, value_lr, value_epochs, feature_dtype")
     overlong_penalty: Optional[dict] = opt(None, help="[ppo.overlong_penalty]: buffer_tokens, max_penalty")
+    judge: Optional[dict] = opt(None, help="[ppo.judge]: an OpenAI-compatible LLM judge as one more reward")
+    judge_weight: Optional[float] = opt(None, help="with a judge (required): reward + judge_weight x verdict in [0, 1]")
+    judge_failure: str = opt("drop_group", choices=("drop_group", "fail"),
+                             help="a group the judge fails on: left out of the update, or the run stops")
+    max_judge_dropped_fraction: float = opt(0.5, min=0, max=1,
+                                            help="stop when the judge fails on more of an update's groups than this")
 
 
 @dataclass(frozen=True)

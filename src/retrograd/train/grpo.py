@@ -33,6 +33,7 @@ from retrograd.data.sft import resolve_data_path
 from retrograd.device import attention_for_length, peak_rss_mb
 from retrograd.errors import ConfigError
 from retrograd.models.logprobs import Scorer
+from retrograd.rl.judge import judge_from_config
 from retrograd.rl.rewards import rewards_from_config
 from retrograd.rl.sampler import eos_ids
 from retrograd.train.checkpointing import run_meta
@@ -67,6 +68,7 @@ def train_grpo(cfg, resume: str | None = None, log=print) -> TrainResult:
         eval_prompts = [eval_all[i] for i in evenly_spaced(len(eval_all), ev.max_examples)]
     log(f"data: {len(prompts)} prompts" + (f", {len(eval_prompts)} evaluation prompts" if eval_prompts else ""))
     rewards = rewards_from_config(g, base)
+    judge = judge_from_config(g, seed=tr.seed, default_cache=Path(cfg.run.directory) / "judge-cache.jsonl")
     eos = eos_ids(tok, model)
     credit = Credit(g, tok, base)
     loss_fn = POLICY_LOSSES.get(g.policy_loss, base)
@@ -119,13 +121,14 @@ def train_grpo(cfg, resume: str | None = None, log=print) -> TrainResult:
 
             # ---- 1. sample and score -----------------------------------------------------------
             rollouts = collect(model, tok, batch, prompts, rewards, sp, G, eos, update, overlong=g.overlong_penalty,
-                               dynamic=g.dynamic_sampling, entropy=credit.needs_entropy)
+                               dynamic=g.dynamic_sampling, entropy=credit.needs_entropy, judge=judge)
             samples = rollouts.samples
 
             # ---- 2. advantages; which completions train ----------------------------------------
             token_adv, episode_adv, adv_metrics = credit.assign(rollouts, update)
-            live = trainable_rows(rollouts.rewards, G, samples.truncated, g.mask_truncated)
-            step_metrics = {**rollout_metrics(rollouts, zero_signal_groups(rollouts.rewards, G)), **adv_metrics}
+            live = trainable_rows(rollouts.rewards, G, samples.truncated, g.mask_truncated, rollouts.judge_failed)
+            step_metrics = {**rollout_metrics(rollouts, zero_signal_groups(rollouts.rewards, G)), **adv_metrics,
+                            **rollouts.judge_metrics}
             completions_log.write(update + 1, rollouts, episode_adv)
 
             # ---- 3. grpo_epochs optimizer steps on the same completions ------------------------

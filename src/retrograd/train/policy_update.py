@@ -48,11 +48,14 @@ class UpdateBatch:
         return sum(len(p) + len(c) for p, c in self.seqs)
 
 
-def trainable_rows(rewards: torch.Tensor, group_size: int, truncated: list[bool], mask_truncated: bool) -> list[int]:
+def trainable_rows(rewards: torch.Tensor, group_size: int, truncated: list[bool], mask_truncated: bool,
+                   excluded: torch.Tensor | None = None) -> list[int]:
     """The completions an update trains on: every row of each group with a learning signal (rewards
-    not all equal), less those that hit max_new_tokens when mask_truncated."""
+    not all equal), less those that hit max_new_tokens when mask_truncated and the `excluded` rows
+    (a group the judge failed on)."""
     dead = zero_signal_groups(rewards, group_size)
-    return [i for i in range(len(truncated)) if not dead[i // group_size] and not (mask_truncated and truncated[i])]
+    return [i for i in range(len(truncated)) if not dead[i // group_size] and not (mask_truncated and truncated[i])
+            and not (excluded is not None and excluded[i])]
 
 
 def build_batch(seqs, prompt_of: list[int] | None, advantages: torch.Tensor, behaviour: list[list[float]],

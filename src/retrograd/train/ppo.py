@@ -32,6 +32,7 @@ from retrograd.data.sft import resolve_data_path
 from retrograd.device import attention_for_length, peak_rss_mb
 from retrograd.errors import ConfigError
 from retrograd.models.logprobs import Scorer
+from retrograd.rl.judge import judge_from_config
 from retrograd.rl.rewards import rewards_from_config
 from retrograd.rl.sampler import eos_ids
 from retrograd.train.checkpointing import run_meta
@@ -61,6 +62,7 @@ def train_ppo(cfg, resume: str | None = None, log=print) -> TrainResult:
         eval_prompts = [eval_all[i] for i in evenly_spaced(len(eval_all), ev.max_examples)]
     log(f"data: {len(prompts)} prompts" + (f", {len(eval_prompts)} evaluation prompts" if eval_prompts else ""))
     rewards = rewards_from_config(p, base)
+    judge = judge_from_config(p, seed=tr.seed, default_cache=Path(cfg.run.directory) / "judge-cache.jsonl")
     eos = eos_ids(tok, model)
     loss_fn = POLICY_LOSSES.get("clip")
     loss_params = {"clip_low": p.clip_range, "clip_high": p.clip_range if p.clip_range_high is None
@@ -121,10 +123,14 @@ def train_ppo(cfg, resume: str | None = None, log=print) -> TrainResult:
             lr = lr_for(run, update, total)
 
             # ---- 1. sample and score -----------------------------------------------------------
-            rollouts = collect(model, tok, batch, prompts, rewards, sp, 1, eos, update, overlong=p.overlong_penalty)
+            rollouts = collect(model, tok, batch, prompts, rewards, sp, 1, eos, update, overlong=p.overlong_penalty,
+                               judge=judge)
             samples = rollouts.samples
-            live = [i for i in range(len(samples.completion_ids)) if not (p.mask_truncated and samples.truncated[i])]
-            step_metrics = rollout_metrics(rollouts, torch.zeros(len(batch), dtype=torch.bool))
+            failed = rollouts.judge_failed
+            live = [i for i in range(len(samples.completion_ids)) if not (p.mask_truncated and samples.truncated[i])
+                    and not (failed is not None and failed[i])]
+            step_metrics = {**rollout_metrics(rollouts, torch.zeros(len(batch), dtype=torch.bool)),
+                            **rollouts.judge_metrics}
             grad_norms, t_train = [], time.perf_counter()
             if live:
                 seqs = [(rollouts.prompts[samples.prompt_index[i]].ids, samples.completion_ids[i]) for i in live]

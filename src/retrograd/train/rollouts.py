@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,12 +28,14 @@ class Rollouts:
     """One update's groups: prompts[p] owns completions p*G .. p*G+G-1 (samples.prompt_index)."""
     prompts: list  # data.prompts.Prompt rows, one per group
     samples: Samples
-    rewards: torch.Tensor  # [N] float64, the weighted sum (+ overlong penalty)
-    per_reward: dict[str, torch.Tensor]  # name -> [N] unweighted values
+    rewards: torch.Tensor  # [N] float64, the weighted sum (+ overlong penalty, + judge_weight x verdict)
+    per_reward: dict[str, torch.Tensor]  # name -> [N] unweighted values ("judge": the verdicts)
     texts: list[str]  # decoded completions
     groups_sampled: int  # groups drawn, dynamic sampling's replacements included
     sampling_s: float
     reward_s: float
+    judge_failed: torch.Tensor | None = None  # [N] bool: the judge failed on the row's group (it must not train)
+    judge_metrics: dict = field(default_factory=dict)
 
 
 def draw(model, tokenizer, prompts: list, group_size: int, sp, eos: set[int], seed_offset: int, *,
@@ -69,20 +71,43 @@ def score(rewards: list, tokenizer, prompts: list, samples: Samples, max_new_tok
 
 
 def collect(model, tokenizer, prompts: list, pool: list, rewards: list, sp, G: int, eos: set[int], update: int, *,
-            overlong=None, dynamic=None, entropy: bool = False) -> Rollouts:
-    """Sample and score one update's groups of G completions per prompt (sampling table `sp`). With a
-    dynamic sampling table, groups whose rewards are all equal (no signal) are replaced by groups of
-    prompts from `pool` not used in this update, up to max_resample_factor draws."""
+            overlong=None, dynamic=None, entropy: bool = False, judge=None) -> Rollouts:
+    """Sample and score one update's groups of G completions per prompt (sampling table `sp`); a
+    `judge` (rl/judge.py) adds judge.weight x its verdict to each reward. With a dynamic sampling table,
+    groups without learning signal (rewards all equal, or the judge failed on them) are replaced by
+    groups of prompts from `pool` not used in this update, up to max_resample_factor draws."""
     t0 = time.perf_counter()
     samples = draw(model, tokenizer, prompts, G, sp, eos, update, entropy=entropy)
     t1 = time.perf_counter()
     total, per_reward, texts = score(rewards, tokenizer, prompts, samples, sp.max_new_tokens, overlong)
-    out = Rollouts(list(prompts), samples, total, per_reward, texts, len(prompts), t1 - t0, time.perf_counter() - t1)
-    if dynamic is None:
-        return out
-    used = {id(p) for p in prompts}
+    judged = [_judge(judge, prompts, texts, G, update, total, per_reward)] if judge is not None else []
+    out = Rollouts(list(prompts), samples, total, per_reward, texts, len(prompts), t1 - t0, time.perf_counter() - t1,
+                   judged[0].failed_groups.repeat_interleave(G) if judged else None)
+    if dynamic is not None:
+        _resample(out, model, tokenizer, pool, rewards, sp, G, eos, update, overlong, dynamic, entropy, judge, judged)
+    if judge is not None:
+        from retrograd.rl.judge import judge_metrics
+        out.judge_metrics = judge_metrics([r for j in judged for r in j.replies], out.per_reward["judge"],
+                                          out.judge_failed.view(-1, G)[:, 0], G, [x for j in judged for x in j.spreads])
+    return out
+
+
+def _judge(judge, prompts: list, texts: list[str], G: int, update: int, total: torch.Tensor, per_reward: dict):
+    """The judge's verdicts added to `total` in place (recorded as per_reward["judge"]); the Judgement."""
+    j = judge.score(prompts, texts, G, update)
+    per_reward["judge"] = j.verdicts
+    total += judge.weight * j.verdicts
+    return j
+
+
+def _resample(out: Rollouts, model, tokenizer, pool, rewards, sp, G, eos, update, overlong, dynamic, entropy,
+              judge, judged: list) -> None:
+    used = {id(p) for p in out.prompts}
     for attempt in range(1, dynamic.max_resample_factor):
-        dead = zero_signal_groups(out.rewards, G).nonzero().flatten().tolist()
+        dead_groups = zero_signal_groups(out.rewards, G)
+        if out.judge_failed is not None:
+            dead_groups |= out.judge_failed.view(-1, G)[:, 0]
+        dead = dead_groups.nonzero().flatten().tolist()
         if not dead:
             break
         redo = _replacements([out.prompts[i] for i in dead], pool, used, sp.seed, update, attempt)
@@ -90,6 +115,8 @@ def collect(model, tokenizer, prompts: list, pool: list, rewards: list, sp, G: i
         more = draw(model, tokenizer, redo, G, sp, eos, update + RESAMPLE_SEED_STRIDE * attempt, entropy=entropy)
         t1 = time.perf_counter()
         r2, f2, x2 = score(rewards, tokenizer, redo, more, sp.max_new_tokens, overlong)
+        if judge is not None:
+            judged.append(_judge(judge, redo, x2, G, update + RESAMPLE_SEED_STRIDE * attempt, r2, f2))
         out.sampling_s += t1 - t0
         out.reward_s += time.perf_counter() - t1
         out.groups_sampled += len(redo)
@@ -100,12 +127,13 @@ def collect(model, tokenizer, prompts: list, pool: list, rewards: list, sp, G: i
             for k in out.per_reward:
                 out.per_reward[k][dst] = f2[k][src]
             out.texts[dst] = x2[src]
+            if judge is not None:
+                out.judge_failed[dst] = judged[-1].failed_groups[j]
             for name in ("completion_ids", "behaviour_logprobs", "truncated", "entropies"):
                 mine, theirs = getattr(out.samples, name), getattr(more, name)
                 if mine is not None:
                     mine[dst] = theirs[src]
         out.samples.generated_tokens += more.generated_tokens
-    return out
 
 
 def _replacements(dead: list, pool: list, used: set[int], seed: int, update: int, attempt: int) -> list:
