@@ -202,7 +202,7 @@ def test_every_example_config_loads():
 
     from retrograd.config import load_config
     examples = sorted((Path(__file__).parents[2] / "examples").glob("*.toml"))
-    assert {"quickstart.toml", "grpo.toml", "dpo.toml", "ppo.toml", "distill.toml", "distill-topk.toml"} <= {
+    assert {"quickstart.toml", "grpo.toml", "dpo.toml", "ppo.toml", "distill.toml", "distill-topk.toml", "grpo-judge.toml"} <= {
         p.name for p in examples}
     for path in examples:
         cfg = load_config(path)

@@ -27,6 +27,8 @@ def _trained_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="path to the run.toml")
     p.add_argument("--adapter", metavar="PATH", help="a PEFT adapter folder or .gguf adapter (default: [output].path)")
     p.add_argument("--checkpoint", metavar="DIR", help="a step-*.state or best.state")
+    p.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE", dest="overrides",
+                   help="override a config key, as in `retrograd train` (repeatable)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,13 +151,13 @@ def _train(args) -> int:
 def _eval(args) -> int:
     from retrograd.cli.tools import run_eval
     from retrograd.config import load_config
-    return run_eval(load_config(args.config), args.adapter, args.checkpoint, args.data, args.json)
+    return run_eval(load_config(args.config, args.overrides), args.adapter, args.checkpoint, args.data, args.json)
 
 
 def _chat(args) -> int:
     from retrograd.cli.tools import run_chat
     from retrograd.config import load_config
-    return run_chat(load_config(args.config), args.adapter, args.checkpoint, args.base_only, args.compare,
+    return run_chat(load_config(args.config, args.overrides), args.adapter, args.checkpoint, args.base_only, args.compare,
                     args.system, args.max_new_tokens, args.temperature, args.top_p, args.seed)
 
 
