@@ -4,6 +4,7 @@ its owner alone and loads back to the weights it was saved with, and the compute
 each owner, asking for the same work, gets a quarter of the compute thread within a stated band."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -13,7 +14,8 @@ from tinker import types
 from service_util import client, datum, rest, running_service
 from tiny import make_model_dir
 
-OWNERS, CLIENTS_PER_OWNER, SECONDS = 4, 8, 150
+OWNERS, CLIENTS_PER_OWNER = 4, 8
+SECONDS = int(os.environ.get("RETROGRAD_LOAD_SECONDS", 150))  # longer by hand: RETROGRAD_LOAD_SECONDS=600
 FAIR_BAND = (0.15, 0.35)  # each owner's share of the compute time (fair is 0.25)
 
 

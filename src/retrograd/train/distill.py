@@ -3,8 +3,9 @@ read top to bottom:
 
 `on_policy` (train_on_policy): each update the student samples `samples_per_prompt` completions of
   `prompts_per_update` prompts; the teacher scores every sampled token; the per-token advantage is
-  A_t = clamp(log p_T(y_t) - log p_S^behaviour(y_t), +-weight_clip) (a one-sample reverse-KL signal:
-  tokens the student over-weights against the teacher are pushed down), fed to the shared clipped
+  A_t = clamp(log p_T(y_t) - log p_S(y_t), +-weight_clip) (a one-sample reverse-KL signal: tokens
+  the student over-weights against the teacher are pushed down; log p_S is the sampler's own when it
+  drew from the plain distribution, else a no-grad forward's), fed to the shared clipped
   surrogate for `distill_epochs` steps (the ratio is 1 with one epoch), + beta * k3 KL toward the base
   (the adapter disabled).
 `topk_offline` (train/distill_offline.py): forward KL on the teacher's top-k written once.
@@ -84,6 +85,7 @@ def train_on_policy(cfg, resume: str | None = None, log=print) -> TrainResult:
     eos = eos_ids(tok, model)
     scorer = Scorer(model)
     share_prompts = scorer.fused and model.config.model_type in SHARED_PROMPT_MODELS
+    plain_sampling = sp.temperature == 1.0 and sp.top_p == 1.0 and not sp.top_k
     loss_fn = POLICY_LOSSES.get("clip")
     loss_params = {"clip_low": d.clip_range_low, "clip_high": d.clip_range_high, "clip_ratio_c": 0.0}
     fingerprints = {"data": fingerprint_path(resolve_data_path(d.prompts)), "teacher": model_fingerprint(d.teacher_path)}
@@ -141,13 +143,17 @@ def train_on_policy(cfg, resume: str | None = None, log=print) -> TrainResult:
                                            "token", sp.max_new_tokens, tok.pad_token_id, run.device)
                 with attention_for_length(model, max(len(q) + len(c) for q, c in seqs)):
                     # ---- 2. the teacher scores every sampled token: the per-token advantage ------------
-                    # against the student's own log-probs (not the sampler's: those are of the tempered
-                    # distribution); they are also the "old" policy of the surrogate's ratio
+                    # against the student's log-probs: the sampler's own when it sampled the plain
+                    # distribution (temperature 1, no top-k / top-p: equal to a forward's), else one
+                    # no-grad forward, which is then also the "old" policy of the surrogate's ratio
                     teacher_lp, teacher_first = teacher_scores(teacher, update_batch)
-                    student_lp = torch.zeros(len(seqs), width)
-                    for k, lp in reference_logprobs(scorer, update_batch).items():
-                        student_lp[torch.tensor(update_batch.passes[k])] = lp.float().cpu()
-                        update_batch.old[k], update_batch.is_weights[k] = lp, torch.ones_like(lp)
+                    if plain_sampling:
+                        student_lp = update_batch.behaviour.float().cpu()
+                    else:
+                        student_lp = torch.zeros(len(seqs), width)
+                        for k, lp in reference_logprobs(scorer, update_batch).items():
+                            student_lp[torch.tensor(update_batch.passes[k])] = lp.float().cpu()
+                            update_batch.old[k], update_batch.is_weights[k] = lp, torch.ones_like(lp)
                     gap = (teacher_lp - student_lp)[mask]  # log p_T - log p_S on the sampled tokens
                     advantages = torch.where(mask, (teacher_lp - student_lp).clamp(-d.weight_clip, d.weight_clip), 0.0)
                     update_batch.advantages = advantages.double().to(run.device)
