@@ -135,7 +135,7 @@ def test_gguf_output_and_full_with_lora_are_refused_clearly(tmp_path):
 def test_json_schema_lists_every_table_and_key():
     from retrograd.config.load import json_schema
     s = json_schema()
-    assert set(s["properties"]) == {"run", "model", "output", "lora", "training", "sft", "preference", "grpo", "ppo", "distill", "reference",
+    assert set(s["properties"]) == {"run", "model", "output", "lora", "training", "sft", "preference", "grpo", "ppo", "distill", "reference", "backpressure",
                                     "evaluation", "checkpoint", "metrics"}
     assert s["properties"]["preference"]["properties"]["loss"]["enum"] == ["dpo", "ipo", "simpo", "orpo"]
     lr = s["properties"]["training"]["properties"]["lr"]

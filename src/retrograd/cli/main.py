@@ -110,6 +110,60 @@ def build_parser() -> argparse.ArgumentParser:
     dt.add_argument("--model", metavar="PATH", help="override distill.teacher_path")
     dt.add_argument("--device", choices=("auto", "cpu", "cuda"), help="override [model].device")
 
+    it = sub.add_parser("init", help="write a starter run.toml (or service client) that runs as written")
+    it.add_argument("--template", default="sft", choices=("sft", "dpo", "grpo", "ppo", "distill", "service"),
+                    help="what to start from (sft)")
+    it.add_argument("--out", metavar="FILE", help="where to write it (default run.toml, <template>.toml, train_sft.py)")
+    it.add_argument("--force", action="store_true", help="overwrite an existing file")
+
+    cp = sub.add_parser("campaign", help="conditions x seeds from one file, each run in its own folder",
+                        description="Run a campaign file: a run config plus [campaign] (seeds, [[campaign.conditions]] "
+                                    "label + set) and optionally [squeeze]; see retrograd/campaign.py")
+    cp.add_argument("config", help="path to the campaign .toml")
+    cp.add_argument("--resume", action="store_true", help="finish an interrupted campaign: unfinished runs continue "
+                                                          "from their checkpoints, the others start")
+
+    ex = sub.add_parser("explain", help="a dry run: resolved config and where each value came from, data, steps, "
+                                         "time and memory estimates, warnings (no weights loaded)")
+    ex.add_argument("config", help="path to the run.toml")
+    ex.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE", dest="overrides",
+                    help="override a config key, as in `retrograd train`")
+    ex.add_argument("--json", action="store_true", help="print JSON")
+
+    st = sub.add_parser("status", help="runs (and campaigns) under a folder: state, step, ETA, last metrics")
+    st.add_argument("folder", nargs="?", default=".", help="where to look (default: here)")
+    st.add_argument("--watch", action="store_true", help="refresh every 5 s until interrupted")
+    st.add_argument("--json", action="store_true", help="print JSON")
+    df = sub.add_parser("diff", help="two runs side by side: config differences, last metrics, curves",
+                        description="retrograd diff RUN_A RUN_B, or retrograd diff CAMPAIGN COND_A COND_B")
+    df.add_argument("first", help="a run folder (or a campaign folder)")
+    df.add_argument("second", help="a run folder (or the first condition's label)")
+    df.add_argument("third", nargs="?", help="with a campaign: the second condition's label")
+    df.add_argument("--json", action="store_true", help="print JSON")
+
+    pl = sub.add_parser("plot", help="line plots of logged metrics (PNG + HTML report); needs retrograd[plot]")
+    pl.add_argument("targets", nargs="+", metavar="RUN_OR_CAMPAIGN", help="run folders, folders of runs, or campaigns")
+    pl.add_argument("--metric", action="append", dest="metrics", metavar="M",
+                    help="a logged metric, e.g. eval/mean_reward (repeatable; default: the headline ones)")
+    pl.add_argument("--out", default="curves.png", metavar="FILE.png", help="the image (curves.png); the report "
+                                                                           "goes beside it as .html")
+    pl.add_argument("--json", action="store_true", help="print JSON")
+
+    dr = sub.add_parser("doctor", help="check this machine: torch, CPU, devices, optional extras, model cache, disk")
+    dr.add_argument("--json", action="store_true", help="print JSON")
+
+    sq = sub.add_parser("squeeze", help="LoRA-Squeeze: the variance each rank of an adapter carries, and a smaller "
+                                         "adapter", description="Retained variance per layer and on average at each "
+                                         "target rank (from the LoRA factors alone, never the full update), the "
+                                         "recommended rank, and with --out the compressed adapter (alpha / r kept).")
+    sq.add_argument("adapter", help="a PEFT adapter folder, a .gguf LoRA adapter or a .state checkpoint")
+    sq.add_argument("--target-ranks", metavar="K,K,...", help="ranks to report (default 1, 2, 4, ... and the rank)")
+    sq.add_argument("--min-retention", type=float, default=0.95, metavar="F",
+                    help="the recommended rank keeps at least this mean share of the variance (0.95)")
+    sq.add_argument("--rank", type=int, metavar="K", help="compress to this rank (default: the recommended one)")
+    sq.add_argument("--out", metavar="PATH", help="write the compressed adapter here (same format; a .state's as PEFT)")
+    sq.add_argument("--json", action="store_true", help="print JSON")
+
     jd = sub.add_parser("judge", help="check a run's LLM judge before training with it")
     jsub = jd.add_subparsers(dest="judge_command", metavar="SUBCOMMAND", required=True)
     je = jsub.add_parser("eval", help="agreement with labelled fixtures (Kendall tau, Spearman rho) and "
@@ -253,6 +307,37 @@ def main(argv: list[str] | None = None) -> int:
             return _trace(args)
         if args.command == "distill-teacher":
             return _distill_teacher(args)
+        if args.command == "campaign":
+            from retrograd.campaign import run_campaign
+            return run_campaign(args.config, args.resume)
+        if args.command == "explain":
+            from retrograd.cli.explain import run_explain
+            return run_explain(args.config, args.overrides, args.json)
+        if args.command == "status":
+            from retrograd.cli.status import run_status
+            return run_status(args.folder, args.watch, args.json)
+        if args.command == "diff":
+            from retrograd.cli.status import run_diff
+            return run_diff(args.first, args.second, args.third, args.json)
+        if args.command == "init":
+            from retrograd.cli.init import run_init
+            return run_init(args.template, args.out, args.force)
+        if args.command == "plot":
+            from retrograd.cli.plot import run_plot
+            return run_plot(args.targets, args.metrics, args.out, args.json)
+        if args.command == "doctor":
+            from retrograd.cli.doctor import run_doctor
+            return run_doctor(args.json)
+        if args.command == "squeeze":
+            from retrograd.export.squeeze import run_squeeze
+            ranks = None
+            if args.target_ranks:
+                try:
+                    ranks = [int(x) for x in args.target_ranks.split(",") if x.strip()]
+                except ValueError:
+                    print(f"error: --target-ranks {args.target_ranks!r}: give integers separated by commas", file=sys.stderr)
+                    return 2
+            return run_squeeze(args.adapter, ranks, args.min_retention, args.out, args.rank, args.json)
         if args.command == "judge":
             from retrograd.config import load_config
             from retrograd.rl.judge_eval import run_judge_eval

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import re
 import sys
@@ -101,6 +102,8 @@ def _check_value(where: str, value: Any, tp, meta: dict) -> Any:
         raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
     if tp is float:
         value = float(value)
+        if not math.isfinite(value):
+            raise ConfigError(f"{where}: {value!r} is not a finite number")
     if tp is list and where.endswith("lora.targets"):
         if not value or not all(isinstance(v, str) and v for v in value):
             raise ConfigError(f"{where}: expected a non-empty list of module names, got {value!r}")
@@ -354,6 +357,12 @@ def _cross_checks(cfg: RunConfig, src: Path) -> None:
                               "[reference] model (without LoRA there is no adapter to disable for the base)")
     if cfg.distill is not None and cfg.reference is not None and not cfg.distill.kl_coefficient:
         raise ConfigError(f"{src}: [reference] is only used by the KL term, and distill.kl_coefficient = 0")
+    bp = cfg.backpressure
+    if bp is not None and cfg.run.algorithm != "grpo":
+        raise ConfigError(f"{src}: [backpressure] sizes GRPO's updates; it does not apply to run.algorithm = "
+                          f"{cfg.run.algorithm!r}")
+    if bp is not None and bp.min_batch_size > bp.max_batch_size:
+        raise ConfigError(f"{src}: backpressure.min_batch_size must be <= max_batch_size")
     ck = cfg.checkpoint
     if ck is not None:
         if ck.mode in ("steps", "steps_and_best_eval") and ck.every_steps is None:
@@ -453,6 +462,10 @@ def _table_schema(cls) -> dict:
             p["exclusiveMaximum" if f.metadata["max_exclusive"] else "maximum"] = f.metadata["max"]
         if f.metadata["required"]:
             required.append(f.name)
+        else:  # the default a key takes when left out (None: "not set", which the docs describe)
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            if default is not None and default is not dataclasses.MISSING:
+                p["default"] = default
         tprops[f.name] = p
     return {"type": "object", "properties": tprops, "required": required, "additionalProperties": False}
 
@@ -460,10 +473,18 @@ def _table_schema(cls) -> dict:
 def json_schema() -> dict:
     """A JSON Schema of run.toml, for editor completion (`retrograd config-schema`)."""
     props = {name: _table_schema(cls) for name, cls in schema.TABLES.items()}
+    props["run"]["properties"]["algorithm"]["enum"] = list(schema.SUPPORTED_ALGORITHMS)  # not the refused ones
+    for name in set(schema.ALGORITHMS) - set(schema.SUPPORTED_ALGORITHMS) - {"sft"}:
+        props.pop(name, None)
     for key, cls in schema.GRPO_SUBTABLES.items():  # [grpo.sampling] etc.
         props["grpo"]["properties"][key] = {**_table_schema(cls), "description": props["grpo"]["properties"][key]["description"]}
     for key, cls in schema.PPO_SUBTABLES.items():  # [ppo.sampling], [ppo.critic], ...
         props["ppo"]["properties"][key] = {**_table_schema(cls), "description": props["ppo"]["properties"][key]["description"]}
+    for table in ("grpo", "ppo"):  # [grpo.judge], [ppo.judge]
+        props[table]["properties"]["judge"] = {**_table_schema(schema.JudgeTable),
+                                               "description": props[table]["properties"]["judge"]["description"]}
+    props["distill"]["properties"]["sampling"] = {**_table_schema(schema.GrpoSamplingTable),
+                                                  "description": props["distill"]["properties"]["sampling"]["description"]}
     from retrograd.algorithms.transforms import TABLE_DEFAULTS, TABLE_HELP
     py = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array"}
     for table, defaults in TABLE_DEFAULTS.items():  # [grpo.gtpo] etc.: the token transforms' parameters

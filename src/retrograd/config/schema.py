@@ -36,7 +36,7 @@ class RunTable:
     directory: Optional[str] = opt(None, path=True, trajectory=False,
                                    help="run folder for metrics.jsonl and the resolved config "
                                         "(default: runs/<name> beside the TOML)")
-    verbose: bool = opt(False, help="print more detail", trajectory=False)
+    verbose: bool = opt(False, help="print every logged metric on the terminal each step", trajectory=False)
 
 
 @dataclass(frozen=True)
@@ -392,7 +392,9 @@ class ReferenceTable:
 class EvaluationTable:
     data: str = opt(REQUIRED, path=True, trajectory=False, help="held-out data in the training format")
     every_steps: Optional[int] = opt(None, min=1, help="evaluate every N optimizer steps")
-    every_iterations: Optional[int] = opt(None, min=1, help="evaluate every N epochs (retrograd-rs name)")
+    every_iterations: Optional[int] = opt(None, min=1,
+                                          help="evaluate every N epochs (SFT, preference, offline distill) or N "
+                                               "updates (GRPO, PPO, on-policy distill), retrograd-rs's meaning")
     max_examples: Optional[int] = opt(None, min=1, help="evaluate on at most N rows, evenly spaced")
     patience: Optional[int] = opt(None, min=1, help="stop after N evaluations without improvement")
     min_delta: float = opt(0.0, min=0, help="smallest loss decrease that counts as an improvement")
@@ -409,6 +411,17 @@ class CheckpointTable:
                                      help="optimizer steps between checkpoints (step modes)")
     resume_from: Optional[str] = opt(None, path=True, trajectory=False,
                                      help="checkpoint to resume from (same as --resume PATH)")
+
+
+@dataclass(frozen=True)
+class BackpressureTable:
+    enabled: bool = opt(False, help="choose GRPO's prompts per update from a USL fit of throughput vs concurrency")
+    warmup_steps: int = opt(10, min=0, help="updates that sweep the batch sizes 1, 2, 4, ... max_batch_size first")
+    ema_decay: float = opt(0.9, min=0, max=1, max_exclusive=True, help="smoothing of the measured throughput")
+    throttle_margin: float = opt(0.85, min=0, max=1, min_exclusive=True, help="target = this x the peak concurrency")
+    increase_margin: float = opt(0.5, min=0, max=1, help="'increase' below this share of the target")
+    min_batch_size: int = opt(1, min=1, help="fewest prompts per update")
+    max_batch_size: int = opt(64, min=1, help="most prompts per update")
 
 
 @dataclass(frozen=True)
@@ -437,6 +450,7 @@ class RunConfig:
     reference: Optional[ReferenceTable] = None
     evaluation: Optional[EvaluationTable] = None
     checkpoint: Optional[CheckpointTable] = None
+    backpressure: Optional[BackpressureTable] = None
     metrics: MetricsTable = field(default_factory=MetricsTable)
     source: str = ""
 
@@ -448,7 +462,7 @@ TABLES: dict[str, type] = {
     "distill": DistillTable,
     "reference": ReferenceTable,
     "evaluation": EvaluationTable,
-    "checkpoint": CheckpointTable, "metrics": MetricsTable,
+    "checkpoint": CheckpointTable, "metrics": MetricsTable, "backpressure": BackpressureTable,
 }
 # tables of algorithms this version does not run yet: named so the error can say so
 ALGORITHM_TABLES = {"sft": "sft", "preference": "preference", "ppo": "ppo", "grpo": "grpo",

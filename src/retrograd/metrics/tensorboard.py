@@ -1,92 +1,36 @@
-"""A dependency-free TensorBoard event-file writer (scalars only).
+"""TensorBoard scalars through tensorboardX (a maintained writer: protobuf framing, CRC32C, flushing).
 
-An event file is a sequence of TFRecords: [len u64][masked crc32c(len) u32][data][masked crc32c(data) u32],
-each data being a serialized `tensorflow.Event` protobuf. The few fields we need are encoded by
-hand here, so training never imports tensorboard or protobuf; tests read the files back with the
-real `tensorboard` package.
+`EventWriter(logdir, resume_step)`: on a fresh run (resume_step 0) an earlier run's event files in
+`logdir` are moved aside to `<logdir>-<time>` (TensorBoard would otherwise draw two runs as one, as
+metrics.jsonl's earlier file is moved aside); on a resume, the points the interrupted run logged
+after the checkpoint it resumes from are purged (tensorboardX's purge_step), so a resumed run reads
+as one run there too.
 """
 from __future__ import annotations
 
 import os
-import socket
-import struct
 import time
 from pathlib import Path
 
 
-def _crc32c_table():
-    table = []
-    for i in range(256):
-        c = i
-        for _ in range(8):
-            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
-        table.append(c)
-    return table
-
-
-_TABLE = _crc32c_table()
-
-
-def crc32c(data: bytes) -> int:
-    c = 0xFFFFFFFF
-    for b in data:
-        c = _TABLE[(c ^ b) & 0xFF] ^ (c >> 8)
-    return c ^ 0xFFFFFFFF
-
-
-def _masked(data: bytes) -> int:
-    c = crc32c(data)
-    return (((c >> 15) | (c << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    n &= (1 << 64) - 1
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
-def _field_bytes(num: int, payload: bytes) -> bytes:
-    return _varint(num << 3 | 2) + _varint(len(payload)) + payload
-
-
-def _event(wall_time: float, step: int, *, file_version: str | None = None, scalars: dict | None = None) -> bytes:
-    msg = struct.pack("<Bd", 1 << 3 | 1, wall_time)  # field 1: double wall_time
-    msg += _varint(2 << 3 | 0) + _varint(step)  # field 2: int64 step
-    if file_version is not None:
-        msg += _field_bytes(3, file_version.encode())
-    if scalars:
-        summary = b""
-        for tag, value in scalars.items():
-            v = _field_bytes(1, tag.encode()) + struct.pack("<Bf", 2 << 3 | 5, float(value))  # tag, simple_value
-            summary += _field_bytes(1, v)
-        msg += _field_bytes(5, summary)
-    return msg
-
-
 class EventWriter:
-    def __init__(self, logdir: str | Path):
+    def __init__(self, logdir: str | Path, resume_step: int = 0):
+        from tensorboardX import SummaryWriter
         self.dir = Path(logdir)
+        if resume_step == 0 and self.dir.is_dir() and any(self.dir.glob("events.out.tfevents.*")):
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self.dir.stat().st_mtime))
+            self.dir.rename(self.dir.with_name(f"{self.dir.name}-{stamp}"))
         self.dir.mkdir(parents=True, exist_ok=True)
-        name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.0"
-        self._f = open(self.dir / name, "ab")
-        self._write(_event(time.time(), 0, file_version="brain.Event:2"))
-
-    def _write(self, data: bytes) -> None:
-        header = struct.pack("<Q", len(data))
-        self._f.write(header + struct.pack("<I", _masked(header)) + data + struct.pack("<I", _masked(data)))
+        # purge_step T drops every earlier point at step >= T: the resumed run logs T on again
+        # tensorboardX names files by the second: a suffix keeps two writers of one second apart
+        self._w = SummaryWriter(str(self.dir), purge_step=resume_step + 1 if resume_step else None, flush_secs=10,
+                                filename_suffix=f".{os.getpid()}.{time.time_ns()}")
 
     def add_scalars(self, step: int, scalars: dict) -> None:
-        clean = {k: v for k, v in scalars.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        if clean:
-            self._write(_event(time.time(), step, scalars=clean))
-            self._f.flush()
+        for tag, value in scalars.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._w.add_scalar(tag, float(value), global_step=step)
+        self._w.flush()
 
     def close(self) -> None:
-        self._f.close()
+        self._w.close()

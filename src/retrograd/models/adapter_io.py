@@ -24,21 +24,24 @@ def _is_gguf(path: Path) -> bool:
     return path.is_file() and path.suffix == ".gguf"
 
 
-def read_spec(path: str | Path) -> AdapterSpec:
+def read_spec(path: str | Path, source: str = "lora.init_adapter") -> AdapterSpec:
+    """`source` names where the path came from in error messages (a config key or a CLI flag)."""
     path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{source} {path}: no such file or folder")
     if _is_gguf(path):
         import gguf
         try:
             reader = gguf.GGUFReader(str(path))
         except (ValueError, OSError) as e:
-            raise ConfigError(f"lora.init_adapter {path}: not a readable GGUF file ({e})") from None
+            raise ConfigError(f"{source} {path}: not a readable GGUF file ({e})") from None
         fields = {f.name: f.contents() for f in reader.fields.values()}
         if fields.get("general.type") != "adapter" or fields.get("adapter.type") != "lora":
-            raise ConfigError(f"lora.init_adapter {path}: this GGUF is not a LoRA adapter "
+            raise ConfigError(f"{source} {path}: this GGUF is not a LoRA adapter "
                               f"(general.type = {fields.get('general.type')!r}); is it a base model?")
         a = [t for t in reader.tensors if t.name.endswith(".lora_a")]
         if not a:
-            raise ConfigError(f"lora.init_adapter {path}: the adapter has no lora_a tensors")
+            raise ConfigError(f"{source} {path}: the adapter has no lora_a tensors")
         rank = int(a[0].shape[1])  # ggml ne = [in, r]
         gguf_kinds = sorted({t.name.split(".")[2] for t in a})
         alpha = float(fields.get("adapter.lora.alpha") or rank)  # 0/absent: llama.cpp scale 1
@@ -47,16 +50,16 @@ def read_spec(path: str | Path) -> AdapterSpec:
         cfg = json.loads((path / "adapter_config.json").read_text())
         targets = cfg.get("target_modules")
         if isinstance(targets, str):
-            raise ConfigError(f"lora.init_adapter {path}: target_modules is a pattern ({targets!r}); "
+            raise ConfigError(f"{source} {path}: target_modules is a pattern ({targets!r}); "
                               "list the module names instead")
         return AdapterSpec(int(cfg["r"]), float(cfg["lora_alpha"]), sorted(targets))
-    raise ConfigError(f"lora.init_adapter {path}: expected a PEFT adapter folder (adapter_config.json) "
+    raise ConfigError(f"{source} {path}: expected a PEFT adapter folder (adapter_config.json) "
                       "or a .gguf LoRA adapter")
 
 
-def adapter_layout(path: str | Path, model) -> AdapterSpec:
+def adapter_layout(path: str | Path, model, source: str = "lora.init_adapter") -> AdapterSpec:
     """rank, alpha and the model's leaf module names of an adapter (GGUF tensor kinds mapped)."""
-    spec = read_spec(path)
+    spec = read_spec(path, source)
     if _is_gguf(Path(path)):
         spec.modules = gguf_module_names(model, spec.modules)
     return spec
@@ -79,7 +82,7 @@ def gguf_module_names(model, kinds: list[str]) -> list[str]:
     return sorted({found[k] for k in kinds})
 
 
-def load_tensors(path: str | Path, model) -> dict[str, torch.Tensor]:
+def load_tensors(path: str | Path, model, source: str = "lora.init_adapter") -> dict[str, torch.Tensor]:
     """The adapter's tensors keyed by the PEFT model's own parameter names (…lora_A.default.weight)."""
     path = Path(path)
     params = {n: p for n, p in model.named_parameters() if "lora_" in n}
@@ -87,7 +90,7 @@ def load_tensors(path: str | Path, model) -> dict[str, torch.Tensor]:
         import gguf
         cfg = model.config
         if cfg.model_type not in ARCHS:
-            raise ConfigError(f"lora.init_adapter: GGUF adapters are read for {', '.join(ARCHS)} models only")
+            raise ConfigError(f"{source}: GGUF adapters are read for {', '.join(ARCHS)} models only")
         reader = gguf.GGUFReader(str(path))
         arrays = {t.name: np.array(t.data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
                   for t in reader.tensors}
@@ -97,7 +100,7 @@ def load_tensors(path: str | Path, model) -> dict[str, torch.Tensor]:
         out = {}
         for (gname, _), key in zip(adapter_tensors(state, cfg), sorted(state)):
             if gname not in arrays:
-                raise ConfigError(f"lora.init_adapter {path}: it has no tensor {gname} (does not match this model's "
+                raise ConfigError(f"{source} {path}: it has no tensor {gname} (does not match this model's "
                                   "LoRA layout)")
             arr = arrays[gname]
             n_head = cfg.num_attention_heads
@@ -117,18 +120,18 @@ def load_tensors(path: str | Path, model) -> dict[str, torch.Tensor]:
     return out
 
 
-def apply_adapter(path: str | Path, model) -> None:
+def apply_adapter(path: str | Path, model, source: str = "lora.init_adapter") -> None:
     """Copy the adapter's weights into the freshly attached LoRA of `model`; mismatches are errors."""
-    tensors = load_tensors(path, model)
+    tensors = load_tensors(path, model, source)
     params = {n: p for n, p in model.named_parameters() if "lora_" in n}
     if set(tensors) != set(params):
         extra, missing = sorted(set(tensors) - set(params)), sorted(set(params) - set(tensors))
-        raise ConfigError(f"lora.init_adapter {path} does not match this base model: "
+        raise ConfigError(f"{source} {path} does not match this base model: "
                           f"unexpected {extra[:2]}, missing {missing[:2]}")
     with torch.no_grad():
         for n, p in params.items():
             t = tensors[n]
             if tuple(t.shape) != tuple(p.shape):
-                raise ConfigError(f"lora.init_adapter {path} does not match this base model: {n} has shape "
+                raise ConfigError(f"{source} {path} does not match this base model: {n} has shape "
                                   f"{tuple(t.shape)}, the model needs {tuple(p.shape)} (trained on another base?)")
             p.copy_(t.to(p.dtype))

@@ -190,7 +190,7 @@ def train_on_policy(cfg, resume: str | None = None, log=print) -> TrainResult:
             if len(grad_norms) > 1:
                 step_metrics.update({f"optimizer/grad_norm/epoch_{e + 1}": n for e, n in enumerate(grad_norms)})
             metrics.log(step, step_metrics)
-            if evaluation_due(ev, step, total):
+            if evaluation_due(ev, step, total, rollout=True):
                 eval_metrics = evaluate()
                 last_eval = eval_metrics["eval/teacher_kl"]
                 improved = record_eval(progress, last_eval, False, ev.min_delta)

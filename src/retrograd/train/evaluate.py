@@ -20,6 +20,13 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr)
 
 
+def check_flags(adapter: str | None, checkpoint: str | None) -> None:
+    """--adapter / --checkpoint must exist: said before anything else is read or loaded."""
+    for flag, path in (("--adapter", adapter), ("--checkpoint", checkpoint)):
+        if path and not Path(path).exists():
+            raise ConfigError(f"{flag} {path}: no such file or folder")
+
+
 def load_trained(cfg, adapter: str | None, checkpoint: str | None, base_only: bool = False, log=_log):
     """(model, tokenizer, label of the trained side or None). The trained side is a PEFT model whose
     adapter can be disabled for the base."""
@@ -27,6 +34,7 @@ def load_trained(cfg, adapter: str | None, checkpoint: str | None, base_only: bo
     from retrograd.models.load import load_model
     if adapter and checkpoint:
         raise ConfigError("give --adapter or --checkpoint, not both")
+    check_flags(adapter, checkpoint)
     if checkpoint and not base_only:
         from retrograd.export.from_checkpoint import load_checkpoint_model
         model, tok, lora, _ = load_checkpoint_model(checkpoint, log)
@@ -37,6 +45,7 @@ def load_trained(cfg, adapter: str | None, checkpoint: str | None, base_only: bo
     loaded = load_model(cfg.model.path, cfg.model.dtype, log=log)
     if base_only:
         return loaded.model.eval(), loaded.tokenizer, None
+    adapter_flag = adapter is not None
     if adapter is None and cfg.training.trainable == "lora" and output_kind(cfg) in ("peft", "adapter") \
             and Path(cfg.output.path).exists():
         adapter = cfg.output.path
@@ -44,9 +53,10 @@ def load_trained(cfg, adapter: str | None, checkpoint: str | None, base_only: bo
         return loaded.model.eval(), loaded.tokenizer, None
     from retrograd.models.adapter_io import adapter_layout, apply_adapter
     from retrograd.models.lora import attach_lora
-    spec = adapter_layout(adapter, loaded.model)
+    source = "--adapter" if adapter_flag else "output.path"
+    spec = adapter_layout(adapter, loaded.model, source)
     model, _ = attach_lora(loaded.model, spec.rank, spec.alpha, spec.modules, 0.0, 0)
-    apply_adapter(adapter, model)
+    apply_adapter(adapter, model, source)
     return model.eval(), loaded.tokenizer, str(adapter)
 
 
@@ -175,6 +185,7 @@ def eval_distill(cfg, model, tok, label, data) -> dict:
 
 def evaluate_trained(cfg, adapter=None, checkpoint=None, data=None) -> dict:
     """The base and the trained model on `data` (default [evaluation].data), by the run's algorithm."""
+    check_flags(adapter, checkpoint)
     data = data or (cfg.evaluation.data if cfg.evaluation else None)
     if data is None:
         raise ConfigError("retrograd eval needs evaluation data: an [evaluation] table with data, or --data PATH")

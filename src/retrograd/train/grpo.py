@@ -33,6 +33,7 @@ from retrograd.data.sft import resolve_data_path
 from retrograd.device import attention_for_length, peak_rss_mb
 from retrograd.errors import ConfigError
 from retrograd.models.logprobs import Scorer
+from retrograd.algorithms.backpressure import backpressure_from_config
 from retrograd.rl.judge import judge_from_config
 from retrograd.rl.rewards import rewards_from_config
 from retrograd.rl.sampler import eos_ids
@@ -69,6 +70,9 @@ def train_grpo(cfg, resume: str | None = None, log=print) -> TrainResult:
     log(f"data: {len(prompts)} prompts" + (f", {len(eval_prompts)} evaluation prompts" if eval_prompts else ""))
     rewards = rewards_from_config(g, base)
     judge = judge_from_config(g, seed=tr.seed, default_cache=Path(cfg.run.directory) / "judge-cache.jsonl")
+    if judge is not None and not rewards and ev is not None:
+        log("note: evaluation never calls the judge, and the judge is this run's only reward: eval/mean_reward "
+            "will read 0 (add a verifiable reward to evaluate on)")
     eos = eos_ids(tok, model)
     credit = Credit(g, tok, base)
     loss_fn = POLICY_LOSSES.get(g.policy_loss, base)
@@ -90,6 +94,9 @@ def train_grpo(cfg, resume: str | None = None, log=print) -> TrainResult:
     progress = restore(run, resume_path)
     loop_state = {"kl_multiplier": 1.0, "stalled": 0, **(progress.get("task") or {})}
     credit.load_state_dict(loop_state.pop("credit", None) or {})
+    bp = backpressure_from_config(cfg.backpressure, G)  # None unless [backpressure] enabled
+    if bp is not None:
+        bp.load_state_dict(loop_state.pop("backpressure", None) or {})
     if resume_path:
         log(f"resumed from {resume_path} at step {progress['step']} (epoch {progress['epoch']}, "
             f"row {progress['cursor']} of {len(prompts)})")
@@ -113,7 +120,8 @@ def train_grpo(cfg, resume: str | None = None, log=print) -> TrainResult:
             if order_epoch != progress["epoch"]:
                 order_epoch, order = progress["epoch"], epoch_order(len(prompts), tr.seed, progress["epoch"],
                                                                     g.prompt_order == "shuffled")
-            batch = [prompts[i] for i in order[progress["cursor"]:progress["cursor"] + g.prompts_per_update]]
+            per_update = bp.next_batch_size() if bp is not None else g.prompts_per_update
+            batch = [prompts[i] for i in order[progress["cursor"]:progress["cursor"] + per_update]]
             progress["cursor"] += len(batch)
             if progress["cursor"] >= len(prompts):
                 progress["epoch"], progress["cursor"] = progress["epoch"] + 1, 0
@@ -167,10 +175,13 @@ def train_grpo(cfg, resume: str | None = None, log=print) -> TrainResult:
             progress["step"] = step = update + 1
             progress["tokens_seen"] += step_metrics["train/tokens"]
             progress["lr_schedule"] = schedule_state(run, total, lr)
-            progress["task"] = {**loop_state, "credit": credit.state_dict()}
+            if bp is not None:  # the controller sees the whole update's time, then picks the next batch size
+                step_metrics.update(bp.observe(len(batch), step_metrics["train/tokens"], time.perf_counter() - t0))
+            progress["task"] = {**loop_state, "credit": credit.state_dict(),
+                                **({"backpressure": bp.state_dict()} if bp is not None else {})}
             dt = time.perf_counter() - t0
             step_metrics.update({"time/training_s": time.perf_counter() - t_train if live else 0.0,
-                                 "train/epoch": step * g.prompts_per_update / len(prompts), "optimizer/lr": lr,
+                                 "train/epoch": progress["epoch"] + progress["cursor"] / len(prompts), "optimizer/lr": lr,
                                  "optimizer/grad_norm": grad_norms[-1] if grad_norms else 0.0,
                                  "system/tokens_per_second": step_metrics["train/tokens"] / dt,
                                  "system/step_seconds": dt, "system/peak_rss_mb": peak_rss_mb()})
@@ -179,7 +190,7 @@ def train_grpo(cfg, resume: str | None = None, log=print) -> TrainResult:
             metrics.log(step, step_metrics)
 
             # ---- 5. evaluation, best.state, patience ----------------------------------------------
-            if evaluation_due(ev, step, total):
+            if evaluation_due(ev, step, total, rollout=True):
                 eval_metrics = evaluate()
                 last_eval = eval_metrics["eval/mean_reward"]
                 improved = record_eval(progress, last_eval, True, ev.min_delta)

@@ -63,6 +63,9 @@ def train_ppo(cfg, resume: str | None = None, log=print) -> TrainResult:
     log(f"data: {len(prompts)} prompts" + (f", {len(eval_prompts)} evaluation prompts" if eval_prompts else ""))
     rewards = rewards_from_config(p, base)
     judge = judge_from_config(p, seed=tr.seed, default_cache=Path(cfg.run.directory) / "judge-cache.jsonl")
+    if judge is not None and not rewards and ev is not None:
+        log("note: evaluation never calls the judge, and the judge is this run's only reward: eval/mean_reward "
+            "will read 0 (add a verifiable reward to evaluate on)")
     eos = eos_ids(tok, model)
     loss_fn = POLICY_LOSSES.get("clip")
     loss_params = {"clip_low": p.clip_range, "clip_high": p.clip_range if p.clip_range_high is None
@@ -194,7 +197,7 @@ def train_ppo(cfg, resume: str | None = None, log=print) -> TrainResult:
             metrics.log(step, step_metrics)
 
             # ---- evaluation, best.state, patience ----------------------------------------------------
-            if evaluation_due(ev, step, total):
+            if evaluation_due(ev, step, total, rollout=True):
                 eval_metrics = evaluate()
                 last_eval = eval_metrics["eval/mean_reward"]
                 improved = record_eval(progress, last_eval, True, ev.min_delta)

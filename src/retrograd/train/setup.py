@@ -15,6 +15,7 @@ They own no loop: train/offline.py (SFT, preference) and train/grpo.py (RL) each
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -93,9 +94,44 @@ def resolve_resume(cfg, resume: str | None) -> str | None:
     return resume_path
 
 
+def _check_folder(key: str, path: str | None, source) -> None:
+    """`path` must be (or become) a writable folder: not a file, its nearest existing parent a writable folder."""
+    if not path:
+        return
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{source}: {key} = {path!r} is a file; it must be a folder (or not exist yet)")
+    parent = p
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{source}: {key} = {path!r}: {parent} is not a folder this user can write to")
+
+
+def check_paths(cfg) -> None:
+    """Every place the run writes, checked before the model loads: the output, the run folder, the
+    checkpoint folder, TensorBoard and the W&B export."""
+    src = cfg.source
+    out = Path(cfg.output.path)
+    writes_file = output_kind(cfg) == "adapter" or out.suffix == ".gguf"
+    if writes_file:
+        if out.is_dir():
+            raise ConfigError(f"{src}: output.path = {cfg.output.path!r} is a folder; this output is one file")
+        _check_folder("output.path's folder", str(out.parent), src)
+    else:
+        _check_folder("output.path", str(out), src)
+    _check_folder("run.directory", cfg.run.directory, src)
+    if cfg.checkpoint is not None:
+        _check_folder("checkpoint.directory", cfg.checkpoint.directory, src)
+    _check_folder("metrics.tensorboard_dir", cfg.metrics.tensorboard_dir, src)
+    _check_folder("metrics.wandb_export_dir", cfg.metrics.wandb_export_dir, src)
+
+
 def check_output_writable(cfg) -> None:
-    """A GGUF model from an HF-folder base is written from its config + tokenizer: check both can be
-    expressed before any training happens (a GGUF base keeps its own metadata, nothing to check)."""
+    """Every output path (check_paths); and a GGUF model from an HF-folder base is written from its config
+    + tokenizer: check both can be expressed before any training happens (a GGUF base keeps its own
+    metadata, nothing to check)."""
+    check_paths(cfg)
     if output_kind(cfg) != "model" or not cfg.output.path.endswith(".gguf"):
         return
     folder = Path(cfg.model.path)
@@ -180,7 +216,8 @@ def open_metrics(run: Run, total_steps: int, progress: dict) -> MetricsLogger:
     run.run_dir = prepare_run_dir(cfg)
     return MetricsLogger(run.run_dir, total_steps, tensorboard_dir=cfg.metrics.tensorboard_dir,
                          wandb_export_dir=cfg.metrics.wandb_export_dir, config=config_as_dict(cfg),
-                         run_name=cfg.run.name, log_every=cfg.metrics.log_every, resume_step=progress["step"])
+                         run_name=cfg.run.name, log_every=cfg.metrics.log_every, resume_step=progress["step"],
+                         verbose=cfg.run.verbose)
 
 
 def lr_for(run: Run, step: int, total_steps: int) -> float:
@@ -199,10 +236,15 @@ def schedule_state(run: Run, total_steps: int, lr: float) -> dict:
             "last_lr": lr}
 
 
-def evaluation_due(ev, step: int, total_steps: int, epoch_done: bool = False, epoch: int = 0) -> bool:
-    """[evaluation] every_steps / every_iterations (epochs) / at each epoch's end, and always at the last step."""
+def evaluation_due(ev, step: int, total_steps: int, epoch_done: bool = False, epoch: int = 0,
+                   rollout: bool = False) -> bool:
+    """[evaluation] every_steps / every_iterations / at each epoch's end, and always at the last step.
+    every_iterations counts epochs in the offline loops and updates in the rollout loops (`rollout`: GRPO,
+    PPO, on-policy distillation), as the public schema means it."""
     if ev is None:
         return False
+    if rollout and ev.every_iterations and step % ev.every_iterations == 0:
+        return True
     return (step == total_steps or (ev.every_steps and step % ev.every_steps == 0)
             or (ev.every_iterations and epoch_done and epoch % ev.every_iterations == 0)
             or (not ev.every_steps and not ev.every_iterations and epoch_done))
