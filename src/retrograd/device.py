@@ -55,3 +55,13 @@ def peak_rss_mb() -> float:
     """Peak resident memory of this process so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
+
+
+def memory_metrics(device) -> dict:
+    """The memory numbers every step logs: the process's peak RSS, and on CUDA the allocator's current
+    and peak bytes (system/gpu_memory_allocated_mb, system/gpu_memory_peak_mb)."""
+    out = {"system/peak_rss_mb": peak_rss_mb()}
+    if getattr(device, "type", None) == "cuda":
+        out["system/gpu_memory_allocated_mb"] = torch.cuda.memory_allocated(device) / 2**20
+        out["system/gpu_memory_peak_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return out

@@ -16,7 +16,7 @@ def test_eval_reports_base_and_trained_losses(tmp_path, tiny_model, cli):
     # the same numbers the training run logged before its first step and after its last
     assert abs(out["base/loss"] - evals[0]) < 1e-5 and abs(out["trained/loss"] - evals[-1]) < 1e-5
     text = cli("eval", cfg, "--checkpoint", tmp_path / "nope.state").stderr
-    assert "checkpoint not found" in text
+    assert "--checkpoint" in text and "nope.state: no such file or folder" in text
 
 
 def test_chat_compare_reads_stdin(tmp_path, tiny_model, cli):

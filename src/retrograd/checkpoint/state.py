@@ -4,6 +4,7 @@ Layout of `step-000000000100.state/` (and `best.state/`):
   weights.safetensors   the trainable tensors (LoRA A/B, or every base weight for a full run)
   optimizer.pt          torch optimizer state_dict
   rng.pt                python, numpy, torch (CPU and CUDA) generator states
+  rng-rank-N.pt         the same for rank N of a run under torchrun (rank 0's are rng.pt)
   progress.json         step, epoch, data cursor, best eval, patience counter, ...
   manifest.json         written LAST: format version, file list with bytes + SHA-256,
                         fingerprints (model, data, algorithm) and the trajectory settings

@@ -1,13 +1,17 @@
 """`retrograd` command line: argument parsing only, then a call into the engine.
 
 Errors caused by the user's input (RetrogradError) print one clear message and exit 2, never a
-traceback. A run stopped by SIGINT/SIGTERM saves and exits 128+signal (130 / 143).
+traceback. A run stopped by SIGINT/SIGTERM saves and exits 128+signal (130 / 143). Under torchrun, a
+rank that fails prints its error (prefixed by its rank) and exits at once without waiting for the
+others, so torchrun stops every rank instead of letting them wait on a collective.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import traceback
 
 from retrograd import __version__
 from retrograd.errors import RetrogradError
@@ -20,6 +24,8 @@ examples:
   retrograd train run.toml --set training.lr=1e-5 --set training.max_steps=50
   retrograd train run.toml --resume                      # latest step-*.state, else best.state
   retrograd train run.toml --resume ckpt/step-000000000100.state
+  retrograd train run.toml --nproc 2                     # 2 processes on this machine (torchrun)
+  torchrun --nproc-per-node 2 -m retrograd train run.toml
 """
 
 
@@ -48,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--model", metavar="PATH", help="override [model].path (HF folder, .gguf, or built-in alias)")
     t.add_argument("--device", choices=("auto", "cpu", "cuda"), help="override [model].device")
     t.add_argument("--threads", type=int, metavar="N", help="override [training].threads (torch CPU threads)")
+    t.add_argument("--nproc", type=int, metavar="N", default=None,
+                   help="train with N processes on this machine: runs `torchrun --standalone --nproc-per-node N -m "
+                        "retrograd train ...` (for several machines call torchrun yourself; see README, Scaling)")
 
     ev = sub.add_parser("eval", help="loss and perplexity of the base and the trained model on evaluation data")
     _trained_model_args(ev)
@@ -178,7 +187,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _train(args) -> int:
+def _launch_torchrun(nproc: int, argv: list[str]) -> int:
+    """Replace this process by torchrun running `retrograd train` (argv without --nproc) on nproc ranks."""
+    rest, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc":
+            skip = True
+            continue
+        if not a.startswith("--nproc="):
+            rest.append(a)
+    env = dict(os.environ)
+    # one process per core share: several torch thread pools on the same cores slow every rank 20-100x
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "retrograd", *rest]
+    sys.stdout.flush()
+    os.execve(sys.executable, cmd, env)
+    return 0  # not reached
+
+
+def _train(args, argv: list[str]) -> int:
+    if args.nproc is not None:
+        if args.nproc < 1:
+            print(f"error: --nproc {args.nproc}: give the number of processes, 1 or more", file=sys.stderr)
+            return 2
+        if "WORLD_SIZE" in os.environ:
+            print("error: --nproc starts torchrun; this process already runs under torchrun (WORLD_SIZE is set): "
+                  "drop --nproc", file=sys.stderr)
+            return 2
+        if args.nproc > 1:
+            return _launch_torchrun(args.nproc, argv)
     from retrograd.config import load_config
     overrides = list(args.overrides)
     if args.model:
@@ -199,6 +240,8 @@ def _train(args) -> int:
     else:
         from retrograd.train.sft import train_sft as train
     result = train(cfg, resume=args.resume)
+    from retrograd import dist
+    dist.teardown()
     return result.exit_code
 
 
@@ -284,13 +327,14 @@ def _config_schema(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
     try:
         if args.command == "train":
-            return _train(args)
+            return _train(args, argv)
         if args.command == "eval":
             return _eval(args)
         if args.command == "chat":
@@ -346,12 +390,39 @@ def main(argv: list[str] | None = None) -> int:
             from retrograd.service.cli import main_for
             return main_for(args)
     except RetrogradError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{_rank_prefix()}error: {e}", file=sys.stderr)
+        _exit_now_if_distributed(2)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
+        _exit_now_if_distributed(130)
         return 130
+    except Exception:
+        from retrograd import dist
+        if not dist.current().distributed:
+            raise
+        print(f"[rank {dist.current().rank}] failed:", file=sys.stderr)
+        traceback.print_exc()
+        _exit_now_if_distributed(1)
+        raise
     return 2
+
+
+def _rank_prefix() -> str:
+    """Ranks other than 0 name themselves (also before the process group exists, e.g. a config error)."""
+    rank = os.environ.get("RANK", "0") if "WORLD_SIZE" in os.environ else "0"
+    return f"[rank {rank}] " if rank != "0" else ""
+
+
+def _exit_now_if_distributed(code: int) -> None:
+    """A failing rank leaves at once: its peers may be blocked in a collective that will never complete,
+    and an orderly interpreter exit with a live process group can wait on them. torchrun sees the exit
+    code and stops the other ranks."""
+    from retrograd import dist
+    if dist.current().distributed:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 if __name__ == "__main__":

@@ -425,6 +425,15 @@ class BackpressureTable:
 
 
 @dataclass(frozen=True)
+class DistributedTable:
+    strategy: str = opt("auto", choices=("auto", "none", "ddp", "fsdp2"), trajectory=False,
+                        help="with several processes (torchrun, --nproc): auto / ddp = every rank holds the model, "
+                             "trains on its share of each step's rows, gradients all-reduced (the update equals one "
+                             "process's); fsdp2 (sharded parameters) is not available yet; none = refuse several "
+                             "processes")
+
+
+@dataclass(frozen=True)
 class MetricsTable:
     tensorboard_dir: Optional[str] = opt(None, path=True, trajectory=False,
                                          help="write TensorBoard event files in one subfolder per run")
@@ -451,6 +460,7 @@ class RunConfig:
     evaluation: Optional[EvaluationTable] = None
     checkpoint: Optional[CheckpointTable] = None
     backpressure: Optional[BackpressureTable] = None
+    distributed: DistributedTable = field(default_factory=DistributedTable)
     metrics: MetricsTable = field(default_factory=MetricsTable)
     source: str = ""
 
@@ -463,6 +473,7 @@ TABLES: dict[str, type] = {
     "reference": ReferenceTable,
     "evaluation": EvaluationTable,
     "checkpoint": CheckpointTable, "metrics": MetricsTable, "backpressure": BackpressureTable,
+    "distributed": DistributedTable,
 }
 # tables of algorithms this version does not run yet: named so the error can say so
 ALGORITHM_TABLES = {"sft": "sft", "preference": "preference", "ppo": "ppo", "grpo": "grpo",

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from retrograd.checkpoint import state as ckpt
 from retrograd.errors import CheckpointError
-from retrograd.train.common import rng_state, set_rng_state
+from retrograd.train.common import rng_state, seed_everything, set_rng_state
 
 
 def run_meta(cfg, fingerprints: dict, settings: dict, lora_modules: list[str] | None = None) -> dict:
@@ -26,13 +26,18 @@ def run_meta(cfg, fingerprints: dict, settings: dict, lora_modules: list[str] | 
 
 
 def save_training_state(directory: Path, name: str, model, optimizer, progress: dict, meta: dict,
-                        extra=None) -> Path:
-    """`extra(folder)` writes what else the loop keeps (e.g. PPO's critic); the manifest covers it too."""
+                        extra=None, rank_rngs: list | None = None) -> Path:
+    """`extra(folder)` writes what else the loop keeps (e.g. PPO's critic); the manifest covers it too.
+    `rank_rngs`: every rank's generator states in a data-parallel run (rank 0's go to rng.pt, rank r's
+    to rng-rank-r.pt); the replicated weights and optimizer are written once."""
     def write(folder: Path) -> None:
         tensors = {n: p.detach().to("cpu").contiguous() for n, p in model.named_parameters() if p.requires_grad}
         save_file(tensors, str(folder / "weights.safetensors"))
         torch.save(optimizer.state_dict(), folder / "optimizer.pt")
-        torch.save(rng_state(), folder / "rng.pt")
+        rngs = rank_rngs or [rng_state()]
+        torch.save(rngs[0], folder / "rng.pt")
+        for rank, state in enumerate(rngs[1:], start=1):
+            torch.save(state, folder / f"rng-rank-{rank}.pt")
         (folder / "progress.json").write_text(json.dumps(progress, indent=1, sort_keys=True))
         if extra is not None:
             extra(folder)
@@ -51,8 +56,9 @@ def check_resumable(path: Path, meta: dict) -> dict:
     return manifest
 
 
-def load_training_state(path: Path, model, optimizer, device) -> dict:
-    """Restore weights, optimizer and RNGs in place; return the progress dict."""
+def load_training_state(path: Path, model, optimizer, device, rank: int = 0, seed: int = 0) -> tuple[dict, int]:
+    """Restore weights, optimizer and this rank's RNGs in place; return (the progress dict, the number of
+    processes that saved it). A rank the checkpoint has no random state for is seeded seed + rank."""
     tensors = load_file(str(path / "weights.safetensors"))
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if set(tensors) != set(params):
@@ -67,7 +73,12 @@ def load_training_state(path: Path, model, optimizer, device) -> dict:
             p.copy_(tensors[n].to(device))
     try:
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
-        set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+        rng_file = path / ("rng.pt" if rank == 0 else f"rng-rank-{rank}.pt")
+        if rng_file.exists():
+            set_rng_state(torch.load(rng_file, weights_only=False))
+        else:
+            seed_everything(seed + rank)
     except (RuntimeError, ValueError, KeyError) as e:
         raise CheckpointError(f"{path}: cannot restore the optimizer / RNG state: {e}") from None
-    return json.loads((path / "progress.json").read_text())
+    saved_world = int(ckpt.read_manifest(path).get("world_size", 1))
+    return json.loads((path / "progress.json").read_text()), saved_world

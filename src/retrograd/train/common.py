@@ -11,6 +11,7 @@ import random
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -42,10 +43,13 @@ def set_rng_state(state: dict) -> None:
 
 class StopRequest:
     """SIGINT / SIGTERM set a flag that the loop checks after each optimizer step, so the run
-    saves a checkpoint and its output and exits cleanly. A second signal stops at once."""
+    saves a checkpoint and its output and exits cleanly. A second signal stops at once, unless it
+    comes within a second of the first: Ctrl-C under torchrun reaches each rank twice (from the
+    terminal and forwarded by torchrun), and that is still one request."""
 
     def __init__(self):
         self.signal: int | None = None
+        self._first_at = 0.0
         self._old = {}
 
     def __enter__(self):
@@ -55,11 +59,15 @@ class StopRequest:
 
     def _handle(self, signum, _frame):
         if self.signal is not None:
+            if time.monotonic() - self._first_at < 1.0:
+                return
             raise KeyboardInterrupt
-        self.signal = signum
+        self.signal, self._first_at = signum, time.monotonic()
         name = signal.Signals(signum).name
-        print(f"\n{name} received: finishing this step, then saving and exiting "
-              f"(send it again to stop at once)", file=sys.stderr, flush=True)
+        from retrograd import dist
+        if dist.current().main:
+            print(f"\n{name} received: finishing this step, then saving and exiting "
+                  f"(send it again to stop at once)", file=sys.stderr, flush=True)
 
     def __exit__(self, *exc):
         for sig, handler in self._old.items():

@@ -218,6 +218,9 @@ class TopkTask:
         return {"train/loss": loss_sum / n_targets, "distill/topk_kl": loss_sum / n_targets, "train/tokens": n_tokens,
                 "train/target_tokens": n_targets, "distill/topk_entries": self.k}
 
+    def loss_weight(self, rows: list) -> float:
+        return float(sum(e.n_targets for _, e in rows))  # step's loss is a mean over target tokens
+
     @torch.no_grad()
     def evaluate(self) -> dict:
         model = self.run.model

@@ -10,22 +10,33 @@ What differs per algorithm lives in a Task (train/sft.py, train/preference.py), 
   eval_metric                       the evaluation number best.state minimises ("loss", ...)
   prepare(resume_path)              work before the first step (e.g. scoring the reference once)
   step(rows) -> metrics             forward + backward of one optimizer step (no optimizer call)
+  loss_weight(rows) -> float        what step's loss is a mean over (target tokens, pairs)
   evaluate() -> metrics             held-out metrics, `eval_metric` among them
+
+Several processes (torchrun, retrograd/dist.py): each rank runs `step` on its share of the step's rows
+(every world-size-th row); the gradients are all-reduced weighted by loss_weight, so every rank takes
+the update one process takes on all the rows. Every rank evaluates (the replicas are identical, and
+so are their numbers); rank 0 logs and writes.
 """
 from __future__ import annotations
 
 import time
 from typing import Callable
 
+from retrograd import dist
 from retrograd.algorithms.optim import optimizer_step
 from retrograd.checkpoint import state as ckpt
 from retrograd.config.load import trajectory_settings
 from retrograd.data.sampler import epoch_order, steps_per_epoch
-from retrograd.device import peak_rss_mb
+from retrograd.device import memory_metrics
 from retrograd.train.checkpointing import run_meta
 from retrograd.train.common import StopRequest
 from retrograd.train.setup import (Run, TrainResult, check_resumable, evaluation_due, finish, lr_for, open_metrics, record_eval,
                                    resolve_resume, restore, save_checkpoint, schedule_state, start_run)
+
+
+# metrics that add up over the ranks' shares of a step (every other one is a mean, averaged by weight)
+COUNT_METRICS = {"train/tokens", "train/target_tokens", "preference/pairs_per_step"}
 
 
 def train_offline(cfg, make_task: Callable[[Run], object], resume: str | None = None, log=print) -> TrainResult:
@@ -40,10 +51,10 @@ def train_offline(cfg, make_task: Callable[[Run], object], resume: str | None = 
     task.prepare(resume_path)
     progress = restore(run, resume_path)
     if resume_path:
-        log(f"resumed from {resume_path} at step {progress['step']} (epoch {progress['epoch']}, "
+        run.log(f"resumed from {resume_path} at step {progress['step']} (epoch {progress['epoch']}, "
             f"row {progress['cursor']} of {len(task.rows)})")
     metrics = open_metrics(run, total_steps, progress)
-    log(f"training {total_steps} steps of {task.step_description}; run folder {run.run_dir}")
+    run.log(f"training {total_steps} steps of {task.step_description}; run folder {run.run_dir}")
 
     stopped_by, last_eval = "done", None
     if ev is not None and progress["step"] == 0:
@@ -64,7 +75,11 @@ def train_offline(cfg, make_task: Callable[[Run], object], resume: str | None = 
 
             # ---- forward/backward (the Task), one optimizer step ----
             lr = lr_for(run, progress["step"], total_steps)
-            step_metrics = task.step(rows)
+            mine = dist.shard(rows, run.world)
+            step_metrics, weight = (task.step(mine), task.loss_weight(mine)) if mine else ({}, 0.0)
+            if run.world.distributed:
+                dist.all_reduce_gradients(run.params, weight)
+                step_metrics = dist.reduce_metrics(step_metrics, weight, COUNT_METRICS)
             grad_norm = optimizer_step(run.optimizer, run.params, tr.max_grad_norm)
             progress["step"] += 1
             progress["tokens_seen"] += step_metrics["train/tokens"]
@@ -74,7 +89,7 @@ def train_offline(cfg, make_task: Callable[[Run], object], resume: str | None = 
             metrics.log(step, {**step_metrics, "train/epoch": step * task.rows_per_step / len(task.rows),
                                "optimizer/lr": lr, "optimizer/grad_norm": grad_norm,
                                "system/tokens_per_second": step_metrics["train/tokens"] / dt,
-                               "system/step_seconds": dt, "system/peak_rss_mb": peak_rss_mb()})
+                               "system/step_seconds": dt, **memory_metrics(run.device)})
 
             # ---- evaluation, best.state, patience ----
             if evaluation_due(ev, step, total_steps, epoch_done, progress["epoch"]):
@@ -88,7 +103,7 @@ def train_offline(cfg, make_task: Callable[[Run], object], resume: str | None = 
                     stopped_by = "patience"
 
             # ---- step checkpoints, stop requests ----
-            if stop.signal is not None:
+            if dist.any_rank(stop.signal is not None):  # every rank stops at the same step
                 stopped_by = "signal"
             if ck is not None and ((ck.every_steps and step % ck.every_steps == 0) or stopped_by == "signal"):
                 save_checkpoint(run, ckpt.step_name(step), progress, meta)

@@ -29,7 +29,7 @@ from retrograd.config.load import trajectory_settings
 from retrograd.data.prompts import load_prompts
 from retrograd.data.sampler import epoch_order, evenly_spaced, steps_per_epoch
 from retrograd.data.sft import resolve_data_path
-from retrograd.device import attention_for_length, peak_rss_mb
+from retrograd.device import attention_for_length, memory_metrics
 from retrograd.errors import ConfigError
 from retrograd.models.logprobs import Scorer
 from retrograd.rl.judge import judge_from_config
@@ -191,7 +191,7 @@ def train_ppo(cfg, resume: str | None = None, log=print) -> TrainResult:
                                  "train/epoch": step * p.rollout_batch_size / len(prompts), "optimizer/lr": lr,
                                  "optimizer/grad_norm": grad_norms[-1] if grad_norms else 0.0,
                                  "system/tokens_per_second": step_metrics["train/tokens"] / dt,
-                                 "system/step_seconds": dt, "system/peak_rss_mb": peak_rss_mb()})
+                                 "system/step_seconds": dt, **memory_metrics(run.device)})
             if len(grad_norms) > 1:
                 step_metrics.update({f"optimizer/grad_norm/epoch_{e + 1}": n for e, n in enumerate(grad_norms)})
             metrics.log(step, step_metrics)

@@ -97,7 +97,7 @@ class PreferenceTask:
             return
         self.s.log(f"scoring the reference ({key['reference']}) on {len(self.rows) + len(self.eval_rows)} pairs, once")
         self.ref_train, self.ref_eval = self._score_reference()
-        if ck is not None:
+        if ck is not None and self.s.world.main:
             reference_cache.save_reference(Path(ck.directory), key, self.ref_train, self.ref_eval)
 
     def _score_reference(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,6 +162,9 @@ class PreferenceTask:
                "preference/pairs_per_step": len(pairs)}
         out.update({f"preference/{k}": v for k, v in m.items()})
         return out
+
+    def loss_weight(self, pairs: list[Pair]) -> float:
+        return float(len(pairs))  # step's loss is a mean over pairs
 
     def evaluate(self) -> dict:
         model = self.s.model

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from retrograd import dist
 from retrograd.algorithms.optim import build_optimizer
 from retrograd.algorithms.schedule import lr_at
 from retrograd.checkpoint import state as ckpt
@@ -33,7 +34,7 @@ from retrograd.models.architectures import ARCHS as GGUF_ARCHS
 from retrograd.models.load import load_model
 from retrograd.models.lora import attach_lora
 from retrograd.train import checkpointing as io
-from retrograd.train.common import prepare_run_dir, save_output, seed_everything
+from retrograd.train.common import prepare_run_dir, rng_state, save_output, seed_everything
 
 
 @dataclass
@@ -60,6 +61,11 @@ class Run:
     log: Callable
     gguf_copies: bool = False  # write a llama.cpp .gguf beside each LoRA checkpoint
     run_dir: Path | None = None
+    world: dist.World = dist.World()  # this process's rank; rank 0 alone writes
+
+
+def _silent(*_args, **_kwargs) -> None:
+    """The log of ranks other than 0: one voice on the console."""
 
 
 def init_adapter_resume_message(adapter: str) -> str:
@@ -177,6 +183,15 @@ def start_run(cfg, log, cpu_pass_tokens: int = 512) -> Run:
     check_output_writable(cfg)
     configure_torch(tr.threads)
     device = pick_device(cfg.model.device)
+    algorithm = cfg.run.algorithm
+    if algorithm == "distill" and cfg.distill.mode == "topk_offline":
+        algorithm = "distill-offline"
+    world = dist.init(cfg.distributed.strategy, tr.trainable, algorithm, device.type, cfg.source)
+    if not world.main:
+        log = _silent
+    if world.distributed:
+        log(f"distributed: {world.size} processes ({world.strategy}); each trains on its share of every step's rows, "
+            "gradients all-reduced; rank 0 writes")
     seed_everything(tr.seed)
     cfg, loaded, model, modules = prepare_model(cfg, log)
     gguf_copies = tr.trainable == "lora" and ck is not None and model.config.model_type in GGUF_ARCHS
@@ -189,7 +204,7 @@ def start_run(cfg, log, cpu_pass_tokens: int = 512) -> Run:
     log(f"model {loaded.source}: {n_all:,} parameters, {n_train:,} trainable ({tr.trainable})")
     pass_tokens = tr.micro_batch or (cpu_pass_tokens if device.type == "cpu" else None)
     return Run(cfg, model, loaded.tokenizer, device, loaded, params, build_optimizer(params, tr), modules,
-               pass_tokens, log, gguf_copies)
+               pass_tokens, log, gguf_copies, world=world)
 
 
 def fresh_progress() -> dict:
@@ -207,12 +222,34 @@ def restore(run: Run, resume_path: str | None) -> dict:
     with weights, optimizer state and every RNG restored in place."""
     if not resume_path:
         return fresh_progress()
-    return io.load_training_state(Path(resume_path), run.model, run.optimizer, run.device)
+    progress, saved_world = io.load_training_state(Path(resume_path), run.model, run.optimizer, run.device,
+                                                   run.world.rank, run.cfg.training.seed)
+    if saved_world != run.world.size:
+        run.log(f"note: {resume_path} was saved by {saved_world} process(es), this run has {run.world.size}: the "
+                "weights, optimizer and data position carry over (every rank holds them whole); ranks without a "
+                "saved random state start from training.seed + rank")
+    return progress
+
+
+class NullMetrics:
+    """The metrics sinks of ranks other than 0: rank 0 logs the step's metrics, reduced over all ranks."""
+
+    def log(self, step: int, metrics: dict) -> None:
+        pass
+
+    def print(self, text: str) -> None:
+        pass
+
+    def close(self, state: str = "finished") -> None:
+        pass
 
 
 def open_metrics(run: Run, total_steps: int, progress: dict) -> MetricsLogger:
     """The run folder (with the resolved config) and the metrics sinks, continuing a resumed run's file."""
     cfg = run.cfg
+    if not run.world.main:
+        run.run_dir = Path(cfg.run.directory)
+        return NullMetrics()
     run.run_dir = prepare_run_dir(cfg)
     return MetricsLogger(run.run_dir, total_steps, tensorboard_dir=cfg.metrics.tensorboard_dir,
                          wandb_export_dir=cfg.metrics.wandb_export_dir, config=config_as_dict(cfg),
@@ -265,11 +302,16 @@ def save_checkpoint(run: Run, name: str, progress: dict, meta: dict, extra=None)
     """A .state checkpoint in [checkpoint].directory, and a llama.cpp .gguf copy beside a LoRA's.
     `extra(folder)` adds the loop's own files (PPO's critic)."""
     ck = run.cfg.checkpoint
-    io.save_training_state(Path(ck.directory), name, run.model, run.optimizer, progress, meta, extra)
-    if run.gguf_copies:
-        from peft import get_peft_model_state_dict
-        write_gguf_lora(Path(ck.directory) / name.replace(".state", ".gguf"), get_peft_model_state_dict(run.model),
-                        run.cfg.lora.alpha, run.model.config, run.cfg.lora.dtype)
+    rank_rngs = dist.gather_objects(rng_state())  # every rank's generators; rank 0 writes them all
+    if run.world.main:
+        io.save_training_state(Path(ck.directory), name, run.model, run.optimizer, progress,
+                               {**meta, "world_size": run.world.size}, extra, rank_rngs)
+        if run.gguf_copies:
+            from peft import get_peft_model_state_dict
+            write_gguf_lora(Path(ck.directory) / name.replace(".state", ".gguf"),
+                            get_peft_model_state_dict(run.model), run.cfg.lora.alpha, run.model.config,
+                            run.cfg.lora.dtype)
+    dist.barrier()  # no rank runs ahead (or exits) before the checkpoint is complete
 
 
 STOP_STATUS = {"done": "finished", "patience": "early_stopped", "signal": "stopped", "stalled": "stalled"}
@@ -285,7 +327,10 @@ def finish(run: Run, metrics: MetricsLogger, progress: dict, stopped_by: str, ex
         metrics.print(f"stopped at step {step}: {reason}")
     elif stopped_by == "signal":
         metrics.print(f"stopped at step {step}" + ("; continue with --resume" if cfg.checkpoint else ""))
-    out = save_output(run.model, run.tokenizer, cfg)
+    out = Path(cfg.output.path)
+    if run.world.main:
+        out = save_output(run.model, run.tokenizer, cfg)
     metrics.print(f"wrote {out}")
+    dist.barrier()
     metrics.close(STOP_STATUS[stopped_by])
     return TrainResult(step, stopped_by, out, exit_code, last_eval)

@@ -73,6 +73,9 @@ class SftTask:
                 n_tokens += sum(len(e.input_ids) for e in chunk)
         return {"train/loss": loss_sum / n_targets, "train/tokens": n_tokens, "train/target_tokens": n_targets}
 
+    def loss_weight(self, rows: list[Example]) -> float:
+        return float(sum(e.n_targets for e in rows))  # step's loss is a mean over target tokens
+
     def evaluate(self) -> dict:
         bs = self.ev.batch_size or self.tr.batch_size
         return {"eval/loss": evaluate(self.scorer, self.run.model, self.eval_rows, bs, self.pad_id, self.run.device)}

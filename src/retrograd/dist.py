@@ -1,0 +1,215 @@
+"""The only module that touches torch.distributed: which rank this process is, the process group's
+life (init, barrier, teardown), and the few collectives a data-parallel loop needs.
+
+One process is the default and creates no process group at all. Under torchrun
+(`torchrun --nproc-per-node N -m retrograd train run.toml`, or `retrograd train run.toml --nproc N`)
+every rank runs the same loop on its share of each step's rows; this module makes the update equal
+to one process's on the whole step:
+
+  each rank's loss is a mean over its own examples (weight w_r: target tokens, pairs, ...), so the
+  gradient one process computes over all of them is sum_r w_r g_r / sum_r w_r. all_reduce_gradients
+  does exactly that in one summed all-reduce per bucket, weights included, so every rank ends the
+  step with the same gradient, clips the same norm and takes the same optimizer step.
+
+That is DDP's maths (gradients all-reduced, replicas identical) done once per optimizer step after
+all micro-batches, instead of torch's DistributedDataParallel wrapper: the wrapper averages per
+backward (wrong for token-weighted means over uneven shards), needs no_sync() around every
+accumulation pass, and hides the PEFT model behind `.module`. For a LoRA the whole exchange is one
+message of a few hundred KB per step.
+
+Rank 0 alone writes (run folder, metrics, checkpoints, output); every rank keeps its own RNG state in
+the checkpoint. Tests use gloo with one thread per rank; CUDA ranks use nccl.
+"""
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+from dataclasses import dataclass
+
+import torch
+
+from retrograd.errors import ConfigError
+
+# algorithms whose loop runs data-parallel today; the rollout loops sample per process and stay single-process
+DATA_PARALLEL_ALGORITHMS = ("sft", "preference", "distill-offline")
+GRAD_BUCKET_ELEMENTS = 1 << 24  # 64 MB of fp32 per all-reduce message for a full fine-tune
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    strategy: str = "none"
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+
+_world = World()
+
+
+def current() -> World:
+    return _world
+
+
+def launched_size() -> int:
+    """WORLD_SIZE as torchrun set it (1 without torchrun)."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def resolve_strategy(requested: str, trainable: str, size: int, algorithm: str, source: str) -> str:
+    """The strategy this launch runs: "none" for one process, else "ddp". Refuses what cannot run,
+    saying why and what to do instead."""
+    if size == 1:
+        return "none"
+    if requested == "none":
+        raise ConfigError(f"{source}: launched with {size} processes but distributed.strategy = 'none'; set "
+                          "strategy = 'auto' (or 'ddp'), or run one process")
+    if requested == "fsdp2":
+        raise ConfigError(f"{source}: distributed.strategy = 'fsdp2' (sharded parameters) is not available in this "
+                          "version; use 'ddp' (or 'auto'): every rank holds the whole model and gradients are "
+                          "all-reduced")
+    if algorithm not in DATA_PARALLEL_ALGORITHMS:
+        raise ConfigError(f"{source}: run.algorithm = {algorithm!r} runs in one process in this version (its "
+                          f"rollouts are sampled in-process); {size} processes run "
+                          f"{', '.join(DATA_PARALLEL_ALGORITHMS)}. Launch it without torchrun / --nproc")
+    return "ddp"
+
+
+def init(requested: str, trainable: str, algorithm: str, device_type: str, source: str) -> World:
+    """Join the process group torchrun prepared (nothing to do for one process). Call before the model
+    loads, so a refused launch costs nothing."""
+    global _world
+    size = launched_size()
+    strategy = resolve_strategy(requested, trainable, size, algorithm, source)
+    if size == 1:
+        _world = World()
+        return _world
+    import torch.distributed as dist
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+    _world = World(rank, size, local_rank, strategy)
+    return _world
+
+
+def barrier() -> None:
+    if _world.distributed:
+        import torch.distributed as dist
+        dist.barrier()
+
+
+def teardown() -> None:
+    """Leave the process group cleanly. Collecting garbage and meeting at a barrier first avoids an
+    intermittent "terminate called without an active exception" abort at exit, seen when gloo's
+    threads still hold tensors during interpreter teardown (shared/reference/scaling-and-style.md)."""
+    global _world
+    if not _world.distributed:
+        return
+    import torch.distributed as dist
+    if dist.is_initialized():
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
+    _world = World()
+
+
+def all_reduce_gradients(params: list[torch.nn.Parameter], weight: float) -> float:
+    """Each rank's gradients are a mean over `weight` examples; afterwards every rank holds the mean
+    over all ranks' examples (sum_r w_r g_r / sum_r w_r). A rank without examples passes weight 0
+    and no gradients. Returns the total weight."""
+    if not _world.distributed:
+        return weight
+    import torch.distributed as dist
+    total = torch.tensor([float(weight)], dtype=torch.float64)
+    dist.all_reduce(total)
+    scale = float(weight) / float(total) if float(total) > 0 else 0.0
+    bucket: list[torch.nn.Parameter] = []
+    count = 0
+    for p in params:
+        bucket.append(p)
+        count += p.numel()
+        if count >= GRAD_BUCKET_ELEMENTS:
+            _reduce_bucket(bucket, scale, dist)
+            bucket, count = [], 0
+    if bucket:
+        _reduce_bucket(bucket, scale, dist)
+    return float(total)
+
+
+def _reduce_bucket(params: list[torch.nn.Parameter], scale: float, dist) -> None:
+    device = params[0].device
+    flat = torch.cat([(p.grad.detach().float().reshape(-1) * scale) if p.grad is not None
+                      else torch.zeros(p.numel(), device=device) for p in params])
+    dist.all_reduce(flat)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset:offset + n].view_as(p).to(p.dtype).clone()
+        offset += n
+
+
+def combine_metrics(parts: list[tuple[dict, float]], summed: set[str]) -> dict:
+    """One step's metrics from every rank's (metrics, weight): keys in `summed` (token counts, pairs)
+    add up; every other value is a mean over examples, so the ranks' values are averaged by weight.
+    A key only some ranks report is averaged over those."""
+    out: dict = {}
+    keys = []
+    for m, _ in parts:
+        keys += [k for k in m if k not in keys]
+    for k in keys:
+        have = [(m[k], w) for m, w in parts if k in m]
+        if k in summed:
+            out[k] = sum(v for v, _ in have)
+            continue
+        total = sum(w for _, w in have)
+        out[k] = (sum(v * w for v, w in have) / total) if total > 0 else have[0][0]
+    return out
+
+
+def reduce_metrics(metrics: dict, weight: float, summed: set[str]) -> dict:
+    """combine_metrics over all ranks (every rank gets the result)."""
+    if not _world.distributed:
+        return metrics
+    return combine_metrics(gather_objects((metrics, float(weight))), summed)
+
+
+def gather_objects(obj) -> list:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if not _world.distributed:
+        return [obj]
+    import torch.distributed as dist
+    out = [None] * _world.size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when it is True on any (a stop request seen by one rank stops all at the
+    same step)."""
+    if not _world.distributed:
+        return flag
+    import torch.distributed as dist
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def shard(rows: list, world: World | None = None) -> list:
+    """This rank's share of one step's rows: every size-th row from its rank on (deterministic, and
+    the shares of all ranks together are the step's rows)."""
+    w = world or _world
+    return rows[w.rank::w.size]
