@@ -1,0 +1,183 @@
+"""Data-parallel training under torchrun with 2 gloo processes (one thread each) on a tiny model:
+the same losses as one process, a killed rank stops every rank, SIGTERM saves, resume is bit-exact
+at the same world size and continues at another, and what cannot run distributed is refused.
+
+Each launch is `retrograd train run.toml --nproc 2` (torchrun underneath), as a user runs it; the
+tests look for rank 0's success line ("wrote ...") and not only at exit codes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tiny import write_grpo_run, write_pref_run, write_run
+
+CKPT = '[checkpoint]\ndirectory = "ckpt"\nmode = "steps"\nevery_steps = 2\n'
+LONG_CKPT = '[checkpoint]\ndirectory = "ckpt"\nmode = "steps"\nevery_steps = 10\n'
+
+
+def launch(cwd: Path, *args, nproc: int = 2) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "retrograd", "train", *map(str, args)]
+    if nproc > 1:
+        cmd += ["--nproc", str(nproc)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def run(cwd: Path, *args, nproc: int = 2, timeout: int = 240) -> tuple[int, str]:
+    p = launch(cwd, *args, nproc=nproc)
+    out, _ = p.communicate(timeout=timeout)
+    return p.returncode, out
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+
+def adapter(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "adapter_model.safetensors"))
+
+
+def overrides(tag: str) -> list[str]:
+    return ["--set", f'run.directory="runs/{tag}"', "--set", f'checkpoint.directory="ckpt-{tag}"',
+            "--set", f'output.path="out-{tag}/adapter"']
+
+
+def test_sft_lora_two_ranks_take_one_process_updates(tmp_path, tiny_model):
+    cfg = write_run(tmp_path, tiny_model, "[lora]\ndropout = 0.0\n" + CKPT, steps=5, train_rows=22)
+    code1, out1 = run(tmp_path, cfg, *overrides("one"), nproc=1)
+    code2, out2 = run(tmp_path, cfg, *overrides("two"))
+    assert code1 == 0 and code2 == 0, out1 + out2
+    assert f"wrote {tmp_path / 'out-two' / 'adapter'}" in out2
+    assert "distributed: 2 processes (ddp)" in out2 and out2.count("step 5/5") == 1  # rank 0 alone prints
+    one, two = train_losses(tmp_path / "runs/one"), train_losses(tmp_path / "runs/two")
+    assert sorted(one) == sorted(two) == [1, 2, 3, 4, 5]
+    for step in one:  # 22 rows of 4 per step: the last steps of the epoch are uneven across ranks
+        assert two[step] == pytest.approx(one[step], abs=1e-5), step
+    a, b = adapter(tmp_path / "out-one/adapter"), adapter(tmp_path / "out-two/adapter")
+    assert set(a) == set(b)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=2e-4, rtol=1e-3)
+    # the checkpoint keeps every rank's random state; export reads it like a one-process checkpoint
+    step4 = tmp_path / "ckpt-two" / "step-000000000004.state"
+    assert (step4 / "rng-rank-1.pt").exists()
+    assert json.loads((step4 / "manifest.json").read_text())["world_size"] == 2
+    for tag in ("one", "two"):
+        code, out = run_cli(tmp_path, "export", tmp_path / f"ckpt-{tag}" / "step-000000000004.state", "--format", "peft",
+                            "--out", tmp_path / f"exported-{tag}")
+        assert code == 0, out
+    e1, e2 = adapter(tmp_path / "exported-one"), adapter(tmp_path / "exported-two")
+    assert set(e1) == set(e2) and len(e1) > 0
+    for k in e1:
+        torch.testing.assert_close(e2[k], e1[k], atol=2e-4, rtol=1e-3)
+
+
+def run_cli(cwd: Path, *args) -> tuple[int, str]:
+    p = subprocess.run([sys.executable, "-m", "retrograd", *map(str, args)], cwd=cwd, capture_output=True, text=True,
+                       timeout=240)
+    return p.returncode, p.stdout + p.stderr
+
+
+def test_sft_full_and_dpo_two_ranks_match_one_process(tmp_path, tiny_model):
+    full = write_run(tmp_path, tiny_model, '[training]\ntrainable = "full"\nlr = 0.001\n', steps=3, name="full.toml")
+    text = full.read_text()
+    full.write_text(text[:text.index("[lora]")] + text[text.index("[training]"):])
+    dpo = write_pref_run(tmp_path, tiny_model, '[preference]\nloss = "dpo"\n' + CKPT, steps=3)
+    for cfg, kind in ((full, "full"), (dpo, "dpo")):
+        sets = ["--set", f'run.directory="runs/{kind}-one"', "--set", f'output.path="out-{kind}-one"']
+        code1, out1 = run(tmp_path, cfg, *sets, *(["--set", 'checkpoint.directory="ckpt-one"'] if kind == "dpo" else []),
+                          nproc=1)
+        sets = ["--set", f'run.directory="runs/{kind}-two"', "--set", f'output.path="out-{kind}-two"']
+        code2, out2 = run(tmp_path, cfg, *sets, *(["--set", 'checkpoint.directory="ckpt-two"'] if kind == "dpo" else []))
+        assert code1 == 0 and code2 == 0, out1 + out2
+        assert "wrote " in out2
+        one, two = train_losses(tmp_path / f"runs/{kind}-one"), train_losses(tmp_path / f"runs/{kind}-two")
+        assert sorted(one) == sorted(two) == [1, 2, 3]
+        for step in one:
+            assert two[step] == pytest.approx(one[step], abs=1e-5), (kind, step)
+
+
+def rank_pid(torchrun: subprocess.Popen, rank: int) -> int:
+    """The pid of `rank`'s worker among torchrun's children (read from /proc)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == torchrun.pid and f"RANK={rank}".encode() in env:
+            return int(entry.name)
+    raise AssertionError(f"no worker of rank {rank} found")
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not (path / "manifest.json").exists():
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def test_killed_rank_stops_all_sigterm_saves_and_resume_is_exact(tmp_path, tiny_model):
+    # enough steps (~20 ms each) that a signal lands mid-run; dropout makes every rank's RNG matter
+    cfg = write_run(tmp_path, tiny_model, "[lora]\ndropout = 0.1\n" + LONG_CKPT, steps=300, train_rows=40)
+    code, out = run(tmp_path, cfg, *overrides("straight"))
+    assert code == 0 and "wrote " in out, out
+    straight = adapter(tmp_path / "out-straight/adapter")
+
+    # kill -9 one rank: torchrun stops the other (no hang), and the last checkpoint resumes exactly
+    p = launch(tmp_path, cfg, *overrides("killed"))
+    wait_for(tmp_path / "ckpt-killed/step-000000000010.state", p)
+    os.kill(rank_pid(p, 1), signal.SIGKILL)
+    out, _ = p.communicate(timeout=90)
+    assert p.returncode != 0 and "wrote " not in out
+    code, out = run(tmp_path, cfg, *overrides("killed"), "--resume")
+    assert code == 0 and "resumed from" in out and "wrote " in out, out
+    resumed = adapter(tmp_path / "out-killed/adapter")
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+
+    # SIGTERM to torchrun: every rank finishes the same step, rank 0 saves it, the run resumes exactly
+    p = launch(tmp_path, cfg, *overrides("term"))
+    wait_for(tmp_path / "ckpt-term/step-000000000010.state", p)
+    os.kill(p.pid, signal.SIGTERM)
+    out, _ = p.communicate(timeout=90)
+    assert "SIGTERM received" in out, out
+    steps = sorted(d.name for d in (tmp_path / "ckpt-term").glob("step-*.state"))
+    stopped_at = int(steps[-1][5:17])
+    assert 10 <= stopped_at < 300, steps
+    assert f"stopped at step {stopped_at}" in out, out
+    code, out = run(tmp_path, cfg, *overrides("term"), "--resume")
+    assert code == 0 and f"at step {stopped_at}" in out and "wrote " in out, out
+    resumed = adapter(tmp_path / "out-term/adapter")
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+
+    # another world size continues the run (the state is replicated): one process from a 2-rank checkpoint
+    code, out = run(tmp_path, cfg, *overrides("one"), "--resume", tmp_path / "ckpt-term" / "step-000000000010.state",
+                    nproc=1)
+    assert code == 0 and "saved by 2 process(es), this run has 1" in out, out
+
+
+def test_what_cannot_run_distributed_is_refused_at_once(tmp_path, tiny_model):
+    grpo = write_grpo_run(tmp_path, tiny_model)
+    code, out = run(tmp_path, grpo, timeout=120)
+    assert code != 0 and "run.algorithm = 'grpo' runs in one process in this version" in out, out
+    sft = write_run(tmp_path, tiny_model, steps=2)
+    code, out = run(tmp_path, sft, "--set", 'distributed.strategy="fsdp2"', timeout=120)
+    assert code != 0 and "'fsdp2' (sharded parameters) is not available" in out, out
+    code, out = run(tmp_path, sft, "--set", 'distributed.strategy="none"', timeout=120)
+    assert code != 0 and "launched with 2 processes but distributed.strategy = 'none'" in out, out
+    code, out = run(tmp_path, sft, "--nproc", "0", nproc=1)
+    assert code == 2 and "--nproc 0" in out
