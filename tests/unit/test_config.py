@@ -136,11 +136,12 @@ def test_json_schema_lists_every_table_and_key():
     from retrograd.config.load import json_schema
     s = json_schema()
     assert set(s["properties"]) == {"run", "model", "output", "lora", "training", "sft", "preference", "grpo", "ppo", "distill", "reference", "backpressure",
-                                    "evaluation", "checkpoint", "metrics"}
+                                    "evaluation", "checkpoint", "metrics", "distributed"}
     assert s["properties"]["preference"]["properties"]["loss"]["enum"] == ["dpo", "ipo", "simpo", "orpo"]
     lr = s["properties"]["training"]["properties"]["lr"]
     assert lr["type"] == "number" and lr["exclusiveMinimum"] == 0
     assert s["properties"]["sft"]["required"] == ["data"]
+    assert s["properties"]["distributed"]["properties"]["strategy"]["enum"] == ["auto", "none", "ddp", "fsdp2"]
 
 
 def test_export_refuses_an_existing_target_and_a_full_disk(tmp_path, monkeypatch):
