@@ -17,6 +17,10 @@ backward (wrong for token-weighted means over uneven shards), needs no_sync() ar
 accumulation pass, and hides the PEFT model behind `.module`. For a LoRA the whole exchange is one
 message of a few hundred KB per step.
 
+GRPO shares an update differently (train/grpo.py): each rank samples its share of the groups, the
+completions are exchanged (gather_objects), and each rank backpropagates its share of the passes, each
+already divided by the whole update's denominator, so sum_gradients adds them up.
+
 Rank 0 alone writes (run folder, metrics, checkpoints, output); every rank keeps its own RNG state in
 the checkpoint. Tests use gloo with one thread per rank; CUDA ranks use nccl.
 """
@@ -31,8 +35,8 @@ import torch
 
 from retrograd.errors import ConfigError
 
-# algorithms whose loop runs data-parallel today; the rollout loops sample per process and stay single-process
-DATA_PARALLEL_ALGORITHMS = ("sft", "preference", "distill-offline")
+# algorithms whose loop runs data-parallel today (PPO and on-policy distillation stay single-process)
+DATA_PARALLEL_ALGORITHMS = ("sft", "preference", "distill-offline", "grpo")
 GRAD_BUCKET_ELEMENTS = 1 << 24  # 64 MB of fp32 per all-reduce message for a full fine-tune
 
 
@@ -67,7 +71,22 @@ def launched_size() -> int:
         return 1
 
 
-def resolve_strategy(requested: str, trainable: str, size: int, algorithm: str, source: str) -> str:
+def single_process_keys(cfg) -> list[str]:
+    """Settings of `cfg` that run on one process only in this version (their state lives in one process:
+    dynamic sampling's replacement draws, the judge's cache file, the back-pressure controller)."""
+    out = []
+    g = cfg.grpo
+    if g is not None and g.dynamic_sampling is not None:
+        out.append("[grpo.dynamic_sampling]")
+    if g is not None and g.judge is not None:
+        out.append("[grpo.judge]")
+    if cfg.backpressure is not None and cfg.backpressure.enabled:
+        out.append("[backpressure]")
+    return out
+
+
+def resolve_strategy(requested: str, trainable: str, size: int, algorithm: str, source: str,
+                     single_process: list[str] | None = None) -> str:
     """The strategy this launch runs: "none" for one process, else "ddp". Refuses what cannot run,
     saying why and what to do instead."""
     if size == 1:
@@ -83,15 +102,19 @@ def resolve_strategy(requested: str, trainable: str, size: int, algorithm: str, 
         raise ConfigError(f"{source}: run.algorithm = {algorithm!r} runs in one process in this version (its "
                           f"rollouts are sampled in-process); {size} processes run "
                           f"{', '.join(DATA_PARALLEL_ALGORITHMS)}. Launch it without torchrun / --nproc")
+    if single_process:
+        raise ConfigError(f"{source}: {', '.join(single_process)} runs on one process in this version; remove it or "
+                          f"launch without torchrun / --nproc")
     return "ddp"
 
 
-def init(requested: str, trainable: str, algorithm: str, device_type: str, source: str) -> World:
+def init(requested: str, trainable: str, algorithm: str, device_type: str, source: str,
+         single_process: list[str] | None = None) -> World:
     """Join the process group torchrun prepared (nothing to do for one process). Call before the model
     loads, so a refused launch costs nothing."""
     global _world
     size = launched_size()
-    strategy = resolve_strategy(requested, trainable, size, algorithm, source)
+    strategy = resolve_strategy(requested, trainable, size, algorithm, source, single_process)
     if size == 1:
         _world = World()
         return _world
@@ -136,7 +159,20 @@ def all_reduce_gradients(params: list[torch.nn.Parameter], weight: float) -> flo
     import torch.distributed as dist
     total = torch.tensor([float(weight)], dtype=torch.float64)
     dist.all_reduce(total)
-    scale = float(weight) / float(total) if float(total) > 0 else 0.0
+    _sum_scaled(params, float(weight) / float(total) if float(total) > 0 else 0.0)
+    return float(total)
+
+
+def sum_gradients(params: list[torch.nn.Parameter]) -> None:
+    """Every rank's gradients summed (the RL loops: each rank backpropagated its share of the update's
+    passes, each already divided by the whole update's denominator)."""
+    if _world.distributed:
+        _sum_scaled(params, 1.0)
+
+
+def _sum_scaled(params: list[torch.nn.Parameter], scale: float) -> None:
+    """grad <- sum over ranks of scale_r x grad_r, in buckets of GRAD_BUCKET_ELEMENTS (one all-reduce each)."""
+    import torch.distributed as dist
     bucket: list[torch.nn.Parameter] = []
     count = 0
     for p in params:
@@ -147,7 +183,6 @@ def all_reduce_gradients(params: list[torch.nn.Parameter], weight: float) -> flo
             bucket, count = [], 0
     if bucket:
         _reduce_bucket(bucket, scale, dist)
-    return float(total)
 
 
 def _reduce_bucket(params: list[torch.nn.Parameter], scale: float, dist) -> None:

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tiny import write_grpo_run, write_pref_run, write_run
+from tiny import write_grpo_run, write_ppo_run, write_pref_run, write_run
 
 CKPT = '[checkpoint]\ndirectory = "ckpt"\nmode = "steps"\nevery_steps = 2\n'
 LONG_CKPT = '[checkpoint]\ndirectory = "ckpt"\nmode = "steps"\nevery_steps = 10\n'
@@ -170,10 +170,41 @@ def test_killed_rank_stops_all_sigterm_saves_and_resume_is_exact(tmp_path, tiny_
     assert code == 0 and "saved by 2 process(es), this run has 1" in out, out
 
 
+def completions(run_dir: Path) -> list[tuple]:
+    rows = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
+    return [(r["step"], r["prompt"], r["completion"], r["reward"]) for r in rows]
+
+
+def test_grpo_lora_two_ranks_sample_and_update_as_one_process(tmp_path, tiny_model):
+    # 3 prompts per update: rank 0 samples groups 0 and 2, rank 1 group 1; the KL term runs the reference too
+    cfg = write_grpo_run(tmp_path, tiny_model, "[grpo]\nprompts_per_update = 3\nkl_coefficient = 0.05\n"
+                         "[evaluation]\ndata = \"prompts.jsonl\"\nmax_examples = 5\n" + CKPT, updates=4)
+    code1, out1 = run(tmp_path, cfg, *overrides("one"), nproc=1)
+    code2, out2 = run(tmp_path, cfg, *overrides("two"))
+    assert code1 == 0 and code2 == 0 and "wrote " in out2, out1 + out2
+    # the same completions, rewards (each group from its own random stream), losses and evaluations
+    assert completions(tmp_path / "runs/one") == completions(tmp_path / "runs/two")
+    rows = {tag: [json.loads(x) for x in (tmp_path / f"runs/{tag}/metrics.jsonl").read_text().splitlines()]
+            for tag in ("one", "two")}
+    for key in ("train/loss", "policy/kl", "reward/mean", "eval/mean_reward", "train/tokens"):
+        a = [r[key] for r in rows["one"] if key in r]
+        b = [r[key] for r in rows["two"] if key in r]
+        assert len(a) == len(b) > 0 and all(x == pytest.approx(y, abs=1e-5) for x, y in zip(a, b)), key
+    # resumed at update 2 on 2 ranks: the straight 2-rank run's adapter, bit for bit
+    code, out = run(tmp_path, cfg, *overrides("two-resumed"),
+                    "--resume", tmp_path / "ckpt-two" / "step-000000000002.state")
+    assert code == 0 and "wrote " in out, out
+    straight, resumed = adapter(tmp_path / "out-two/adapter"), adapter(tmp_path / "out-two-resumed/adapter")
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+
+
 def test_what_cannot_run_distributed_is_refused_at_once(tmp_path, tiny_model):
-    grpo = write_grpo_run(tmp_path, tiny_model)
+    ppo = write_ppo_run(tmp_path, tiny_model)
+    code, out = run(tmp_path, ppo, timeout=120)
+    assert code != 0 and "run.algorithm = 'ppo' runs in one process in this version" in out, out
+    grpo = write_grpo_run(tmp_path, tiny_model, "[grpo.dynamic_sampling]\nmax_resample_factor = 2\n")
     code, out = run(tmp_path, grpo, timeout=120)
-    assert code != 0 and "run.algorithm = 'grpo' runs in one process in this version" in out, out
+    assert code != 0 and "[grpo.dynamic_sampling] runs on one process in this version" in out, out
     sft = write_run(tmp_path, tiny_model, steps=2)
     code, out = run(tmp_path, sft, "--set", 'distributed.strategy="fsdp2"', timeout=120)
     assert code != 0 and "'fsdp2' (sharded parameters) is not available" in out, out

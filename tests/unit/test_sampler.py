@@ -8,7 +8,7 @@ import torch
 
 from retrograd.models.load import load_model
 from retrograd.models.logprobs import shared_prefix_length
-from retrograd.rl.sampler import filter_logits, sample
+from retrograd.rl.sampler import GroupStreams, filter_logits, sample
 
 
 def _setup(tiny_model):
@@ -69,6 +69,20 @@ def test_same_seed_same_completions_and_greedy(tiny_model):
     with torch.no_grad():
         first = int(model(input_ids=torch.tensor([prompts[0]])).logits[0, -1].argmax())
     assert g.completion_ids[0][0] == first
+
+
+def test_a_group_samples_the_same_whatever_shares_its_batch(tiny_model):
+    # per-group streams: what a torchrun rank draws for group 1 alone is what one process draws for it
+    # beside group 0 (the decode batch, its shared prefix and the finished rows all differ)
+    model, tok, prompts = _setup(tiny_model)
+    kw = dict(eos_ids={tok.eos_token_id, 40, 41, 42}, pad_id=tok.pad_token_id)
+    both = sample(model, prompts, 3, 10, generator=GroupStreams(7, [0, 1], 3), **kw)
+    alone = sample(model, prompts[1:], 3, 10, generator=GroupStreams(7, [1], 3), **kw)
+    assert both.completion_ids[3:] == alone.completion_ids
+    for a, b in zip(both.behaviour_logprobs[3:], alone.behaviour_logprobs):
+        assert a == pytest.approx(b, abs=1e-5)
+    other = sample(model, prompts[1:], 3, 10, generator=GroupStreams(7, [0], 3), **kw)
+    assert other.completion_ids != alone.completion_ids  # the stream is the group's place, not the prompt's
 
 
 def test_eos_stops_each_sequence(tiny_model):

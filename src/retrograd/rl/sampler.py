@@ -15,6 +15,9 @@ no top-k / top-p the two agree, which the tests check.
 
 Randomness comes only from the `generator` passed in (seeded per update by the caller), so the
 same seed gives the same completions and a resumed run samples exactly what the straight run did.
+The training loops pass GroupStreams, one stream per prompt group: a group's completions then do
+not depend on which other prompts share the batch, so a group samples the same whether one
+process draws the whole update or each of N ranks draws its share.
 """
 from __future__ import annotations
 
@@ -126,16 +129,45 @@ def distribution_entropy(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
 
 
-def draw_from_logits(logits: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+class GroupStreams:
+    """One seeded random stream per prompt group: `group_ids` name the groups of the prompts passed to
+    `sample` (their places in the whole update), so group g draws from the same stream whichever
+    process samples it and whatever else is in its batch."""
+
+    def __init__(self, seed: int, group_ids: list[int], group_size: int):
+        self.group_size = group_size
+        self.gens = [torch.Generator().manual_seed((seed * 1_000_033 + g) % (1 << 63)) for g in group_ids]
+
+    def uniform(self, active: torch.Tensor) -> torch.Tensor:
+        """One uniform per decoding row; `active` = the rows' completion indices, ascending."""
+        groups = (active // self.group_size).tolist()
+        out = torch.empty(len(groups), dtype=torch.float32)
+        start = 0
+        while start < len(groups):
+            end = start
+            while end < len(groups) and groups[end] == groups[start]:
+                end += 1
+            out[start:end] = torch.rand(end - start, generator=self.gens[groups[start]])
+            start = end
+        return out
+
+
+def draw_from_logits(logits: torch.Tensor, generator, active: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(token [B], its log-probability [B]) drawn from softmax(logits [B, V]) by inverse CDF: one
     uniform per row against the running sum of exp(logits - max). torch.multinomial draws an
     exponential per vocabulary entry (a sixth of a decode step at 49k tokens); this costs one exp and
-    one cumsum, and no separate log_softmax pass. A token of probability 0 (-inf) is never drawn."""
+    one cumsum, and no separate log_softmax pass. A token of probability 0 (-inf) is never drawn.
+    `generator`: a torch.Generator (one stream for the batch) or GroupStreams (`active`: the rows'
+    completion indices)."""
     logits = logits.float().cpu()
     top = logits.max(-1, keepdim=True).values
     cdf = (logits - top).exp_().cumsum_(-1)
     total = cdf[:, -1:]
-    u = torch.rand(logits.shape[0], 1, generator=generator, dtype=cdf.dtype) * total
+    if isinstance(generator, GroupStreams):
+        u = generator.uniform(active)[:, None].to(cdf.dtype) * total
+    else:
+        u = torch.rand(logits.shape[0], 1, generator=generator, dtype=cdf.dtype) * total
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # u < total after rounding
     tok = torch.searchsorted(cdf, u, right=True).squeeze(1)
     chosen = logits.gather(1, tok[:, None])
@@ -204,7 +236,7 @@ def _decode(decoder, prompts, group_size, max_new_tokens, eos_ids, pad_id, gener
             logps[active, t] = 0.0
         else:
             filtered = filter_logits(logits, temperature, top_k, top_p)
-            tok, logp = draw_from_logits(filtered, generator)
+            tok, logp = draw_from_logits(filtered, generator, active)
             logps[active, t] = logp
             if entropies is not None:
                 entropies[active, t] = distribution_entropy(filtered).cpu()

@@ -13,6 +13,10 @@ Each update:
      [reference]), aggregated by loss_normalisation;
   4. metrics (every epoch's gradient norm), evaluation (greedy mean reward; best.state is the
      highest), checkpoints.
+
+Under torchrun each rank samples every N-th group (rollouts.collect_sharded: all ranks then hold the
+whole update), computes the same advantages, backpropagates every N-th pass (keep_share) and the
+gradients are summed: the update one process takes (retrograd/dist.py).
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 
+from retrograd import dist
 from retrograd.algorithms.advantages import zero_signal_groups
 from retrograd.algorithms.optim import optimizer_step
 from retrograd.algorithms.policy_losses import POLICY_LOSSES
@@ -40,9 +45,9 @@ from retrograd.rl.sampler import eos_ids
 from retrograd.train.checkpointing import run_meta
 from retrograd.train.common import StopRequest
 from retrograd.train.credit import Credit
-from retrograd.train.policy_update import (build_batch, epoch_backward, policy_metrics, reference_logprobs,
+from retrograd.train.policy_update import (build_batch, epoch_backward, keep_share, policy_metrics, reference_logprobs,
                                            trainable_rows)
-from retrograd.train.rollouts import CompletionsLog, collect, greedy_rewards, rollout_metrics
+from retrograd.train.rollouts import CompletionsLog, collect, collect_sharded, greedy_rewards, rollout_metrics
 from retrograd.train.setup import (TrainResult, check_resumable, evaluation_due, finish, lr_for, open_metrics,
                                    record_eval, resolve_resume, restore, save_checkpoint, schedule_state, start_run)
 
@@ -59,7 +64,7 @@ def train_grpo(cfg, resume: str | None = None, log=print) -> TrainResult:
     sp, G, base = g.sampling, g.group_size, Path(cfg.source).parent
     resume_path = resolve_resume(cfg, resume)
     run = start_run(cfg, log, CPU_PASS_TOKENS)
-    model, tok = run.model, run.tokenizer
+    model, tok, world, log = run.model, run.tokenizer, run.world, run.log
 
     # ---- data, rewards, credit assignment, loss, reference ---------------------------------------
     prompts = load_prompts(g.prompts, tok, tr.ctx, sp.max_new_tokens, g.template_variables)
@@ -101,12 +106,14 @@ def train_grpo(cfg, resume: str | None = None, log=print) -> TrainResult:
         log(f"resumed from {resume_path} at step {progress['step']} (epoch {progress['epoch']}, "
             f"row {progress['cursor']} of {len(prompts)})")
     metrics = open_metrics(run, total, progress)
-    completions_log = CompletionsLog(run.run_dir, progress["step"], g.log_completions_every)
+    completions_log = CompletionsLog(run.run_dir, progress["step"], g.log_completions_every) if world.main else None
     log(f"training {total} steps of {g.prompts_per_update} prompts x {G} completions (<= {sp.max_new_tokens} tokens); "
         f"run folder {run.run_dir}")
 
-    def evaluate() -> dict:
-        r = greedy_rewards(model, tok, eval_prompts, rewards, sp, eos, g.overlong_penalty)
+    def evaluate() -> dict:  # under torchrun each rank answers its share of the prompts
+        mine = dist.shard(eval_prompts, world)
+        r = greedy_rewards(model, tok, mine, rewards, sp, eos, g.overlong_penalty)
+        r = dist.reduce_metrics(r, len(mine), set())
         return {"eval/mean_reward": r.pop("mean_reward"), **{f"eval/reward/{k}": v for k, v in r.items()}}
 
     stopped_by, last_eval, reason = "done", None, ""
@@ -128,8 +135,12 @@ def train_grpo(cfg, resume: str | None = None, log=print) -> TrainResult:
             lr = lr_for(run, update, total)
 
             # ---- 1. sample and score -----------------------------------------------------------
-            rollouts = collect(model, tok, batch, prompts, rewards, sp, G, eos, update, overlong=g.overlong_penalty,
-                               dynamic=g.dynamic_sampling, entropy=credit.needs_entropy, judge=judge)
+            if world.distributed:  # each rank samples its share of the groups; all get the whole update
+                rollouts = collect_sharded(model, tok, batch, rewards, sp, G, eos, update, world,
+                                           overlong=g.overlong_penalty, entropy=credit.needs_entropy)
+            else:
+                rollouts = collect(model, tok, batch, prompts, rewards, sp, G, eos, update, overlong=g.overlong_penalty,
+                                   dynamic=g.dynamic_sampling, entropy=credit.needs_entropy, judge=judge)
             samples = rollouts.samples
 
             # ---- 2. advantages; which completions train ----------------------------------------
@@ -137,7 +148,8 @@ def train_grpo(cfg, resume: str | None = None, log=print) -> TrainResult:
             live = trainable_rows(rollouts.rewards, G, samples.truncated, g.mask_truncated, rollouts.judge_failed)
             step_metrics = {**rollout_metrics(rollouts, zero_signal_groups(rollouts.rewards, G)), **adv_metrics,
                             **rollouts.judge_metrics}
-            completions_log.write(update + 1, rollouts, episode_adv)
+            if completions_log is not None:
+                completions_log.write(update + 1, rollouts, episode_adv)
 
             # ---- 3. grpo_epochs optimizer steps on the same completions ------------------------
             grad_norms, t_train = [], time.perf_counter()
@@ -147,6 +159,7 @@ def train_grpo(cfg, resume: str | None = None, log=print) -> TrainResult:
                 update_batch = build_batch(seqs, [samples.prompt_index[i] for i in live] if share_prompts else None,
                                      token_adv[live], [samples.behaviour_logprobs[i] for i in live], run.pass_tokens,
                                      g.loss_normalisation, sp.max_new_tokens, tok.pad_token_id, run.device)
+                update_batch = keep_share(update_batch, world)  # under torchrun: this rank's passes
                 beta = kl_beta(g, loop_state["kl_multiplier"], update)
                 params = {**loss_params, "seed": tr.seed * 1_000_003 + update} if "seed" in loss_params else loss_params
                 with attention_for_length(model, max(len(p) + len(c) for p, c in seqs)):
@@ -158,6 +171,10 @@ def train_grpo(cfg, resume: str | None = None, log=print) -> TrainResult:
                     for epoch in range(g.grpo_epochs):
                         loss, st = epoch_backward(scorer, update_batch, loss_fn, params, correction=correction,
                                                   ref_logp=ref_logp, beta=beta)
+                        if world.distributed:  # every rank's passes, summed: one process's gradient and loss
+                            dist.sum_gradients(run.params)
+                            parts = dist.gather_objects((loss, [{k: float(v) for k, v in x.items()} for x in st]))
+                            loss, st = sum(p[0] for p in parts), [x for p in parts for x in p[1]]
                         grad_norms.append(optimizer_step(run.optimizer, run.params, tr.max_grad_norm))
                         loss_total += loss / g.grpo_epochs
                         stats += st
@@ -201,13 +218,14 @@ def train_grpo(cfg, resume: str | None = None, log=print) -> TrainResult:
                     stopped_by = "patience"
 
             # ---- 6. checkpoints, stop requests -----------------------------------------------------
-            if stop.signal is not None:
+            if dist.any_rank(stop.signal is not None):  # every rank stops at the same update
                 stopped_by = "signal"
             if ck is not None and ((ck.every_steps and step % ck.every_steps == 0) or stopped_by == "signal"):
                 save_checkpoint(run, ckpt.step_name(step), progress, meta)
             if stopped_by != "done":
                 break
-    completions_log.close()
+    if completions_log is not None:
+        completions_log.close()
     for r in rewards:
         if hasattr(r.fn, "close"):
             r.fn.close()

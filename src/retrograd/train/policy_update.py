@@ -98,6 +98,25 @@ def plan_passes(seqs, prompt_of: list[int] | None, budget: int | None) -> list[l
     return out + ([cur] if cur else [])
 
 
+def keep_share(batch: UpdateBatch, world) -> UpdateBatch:
+    """Under torchrun: re-plan the passes so each rank gets some (at most a world-size-th of the tokens per
+    pass), and keep this rank's every world-size-th pass. The denominator stays the whole update's, so
+    the ranks' summed gradients are one process's (dist.sum_gradients)."""
+    if not world.distributed:
+        return batch
+    if batch.prompt_of is not None:
+        cost = sum(len(batch.seqs[j][1]) for j in range(len(batch.seqs))) + sum(
+            len(batch.seqs[j][0]) for j in {p: j for j, p in enumerate(batch.prompt_of)}.values())
+    else:
+        cost = max(len(p) + len(c) for p, c in batch.seqs) * len(batch.seqs)
+    budget = -(-cost // world.size)
+    planned = plan_passes(batch.seqs, batch.prompt_of, budget)
+    if len(planned) < len(batch.passes):  # the caller's budget was the tighter one
+        planned = batch.passes
+    batch.passes = planned[world.rank::world.size]
+    return batch
+
+
 def pass_logprobs(scorer: Scorer, batch: UpdateBatch, idx: list[int], states: bool = False):
     """[len(idx), W] per-token log-probs of the completions of rows idx (0 beyond each); with
     `states`, also the detached final hidden states that predicted them [len(idx), W, H]."""

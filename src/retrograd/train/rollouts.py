@@ -2,8 +2,9 @@
 them with the reward functions, and (DAPO's dynamic sampling) replace groups without learning signal
 by fresh prompts; plus the completions log and the rollout metrics.
 
-Randomness: every draw is seeded by (sampling seed, update, attempt), so a resumed run samples and
-replaces exactly what the straight run did.
+Randomness: every draw is seeded by (sampling seed, update, attempt) and each group by its place in
+the update, so a resumed run samples and replaces exactly what the straight run did, and the ranks of
+a torchrun launch (collect_sharded) draw exactly what one process would.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 
 from retrograd.algorithms.advantages import overlong_penalty, zero_signal_groups
 from retrograd.models.load import DTYPES
-from retrograd.rl.sampler import Samples, sample, stop_string_check
+from retrograd.rl.sampler import GroupStreams, Samples, sample, stop_string_check
 
 # seeds of dynamic sampling's extra draws, far from the updates' own (update + attempt * this)
 RESAMPLE_SEED_STRIDE = 7919 * 1_000_000
@@ -39,11 +40,13 @@ class Rollouts:
 
 
 def draw(model, tokenizer, prompts: list, group_size: int, sp, eos: set[int], seed_offset: int, *,
-         greedy: bool = False, entropy: bool = False) -> Samples:
+         greedy: bool = False, entropy: bool = False, group_ids: list[int] | None = None) -> Samples:
     """group_size completions of each prompt. Rollouts sample in sampling.dtype; greedy evaluation (and
     "auto") at the model's own precision (dtype None), so measured accuracy never depends on a speed
-    setting."""
-    gen = None if greedy else torch.Generator().manual_seed(sp.seed * 1_000_003 + seed_offset)
+    setting. Each group draws from its own stream, seeded by (sampling.seed, seed_offset, its place
+    `group_ids` in the whole update: by default its place in `prompts`)."""
+    ids = group_ids if group_ids is not None else list(range(len(prompts)))
+    gen = None if greedy else GroupStreams(sp.seed * 1_000_003 + seed_offset, ids, group_size)
     dtype = None if greedy or sp.dtype == "auto" else DTYPES[sp.dtype]
     return sample(model, [p.ids for p in prompts], group_size, sp.max_new_tokens, eos_ids=eos,
                   pad_id=tokenizer.pad_token_id, generator=gen, temperature=0.0 if greedy else sp.temperature,
@@ -90,6 +93,52 @@ def collect(model, tokenizer, prompts: list, pool: list, rewards: list, sp, G: i
         out.judge_metrics = judge_metrics([r for j in judged for r in j.replies], out.per_reward["judge"],
                                           out.judge_failed.view(-1, G)[:, 0], G, [x for j in judged for x in j.spreads])
     return out
+
+
+def collect_sharded(model, tokenizer, prompts: list, rewards: list, sp, G: int, eos: set[int], update: int, world, *,
+                    overlong=None, entropy: bool = False) -> Rollouts:
+    """collect() split over the ranks of a torchrun launch: each samples and scores every world-size-th
+    group of the update (its own random stream per group, so exactly what one process would draw),
+    then the ranks exchange their groups and every rank returns the whole update, in one process's
+    order. (Completions are a few KB; the exchange is one all_gather of Python objects.)"""
+    from retrograd import dist
+    mine = list(range(world.rank, len(prompts), world.size))
+    t0 = time.perf_counter()
+    part = None
+    if mine:
+        samples = draw(model, tokenizer, [prompts[g] for g in mine], G, sp, eos, update, entropy=entropy,
+                       group_ids=mine)
+        t1 = time.perf_counter()
+        total, per_reward, texts = score(rewards, tokenizer, [prompts[g] for g in mine], samples, sp.max_new_tokens,
+                                         overlong)
+        part = (mine, samples, total, per_reward, texts, t1 - t0, time.perf_counter() - t1)
+    parts = [p for p in dist.gather_objects(part) if p is not None]
+    return merge_groups(prompts, parts, G)
+
+
+def merge_groups(prompts: list, parts: list, G: int) -> Rollouts:
+    """One update's Rollouts from the ranks' parts (group ids, Samples, rewards, per-reward values,
+    texts, sampling s, reward s), groups back in the update's order."""
+    where = {g: (part, j) for part in parts for j, g in enumerate(part[0])}
+    names = list(parts[0][3])
+    ids, logps, trunc, texts, ents, totals = [], [], [], [], [], []
+    per = {name: [] for name in names}
+    for g in range(len(prompts)):
+        (_, s, total, per_reward, text, _, _), j = where[g]
+        rows = slice(j * G, j * G + G)
+        ids += s.completion_ids[rows]
+        logps += s.behaviour_logprobs[rows]
+        trunc += s.truncated[rows]
+        texts += text[rows]
+        totals.append(total[rows])
+        for name in names:
+            per[name].append(per_reward[name][rows])
+        if s.entropies is not None:
+            ents += s.entropies[rows]
+    samples = Samples([i // G for i in range(len(ids))], ids, logps, trunc, sum(p[1].generated_tokens for p in parts),
+                      ents if parts[0][1].entropies is not None else None)
+    return Rollouts(list(prompts), samples, torch.cat(totals), {k: torch.cat(v) for k, v in per.items()}, texts,
+                    len(prompts), max(p[5] for p in parts), max(p[6] for p in parts))
 
 
 def _judge(judge, prompts: list, texts: list[str], G: int, update: int, total: torch.Tensor, per_reward: dict):

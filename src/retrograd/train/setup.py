@@ -186,11 +186,12 @@ def start_run(cfg, log, cpu_pass_tokens: int = 512) -> Run:
     algorithm = cfg.run.algorithm
     if algorithm == "distill" and cfg.distill.mode == "topk_offline":
         algorithm = "distill-offline"
-    world = dist.init(cfg.distributed.strategy, tr.trainable, algorithm, device.type, cfg.source)
+    world = dist.init(cfg.distributed.strategy, tr.trainable, algorithm, device.type, cfg.source,
+                      dist.single_process_keys(cfg))
     if not world.main:
         log = _silent
     if world.distributed:
-        log(f"distributed: {world.size} processes ({world.strategy}); each trains on its share of every step's rows, "
+        log(f"distributed: {world.size} processes ({world.strategy}); each works on its share of every step, "
             "gradients all-reduced; rank 0 writes")
     seed_everything(tr.seed)
     cfg, loaded, model, modules = prepare_model(cfg, log)
