@@ -69,6 +69,8 @@ def diagnose() -> dict:
         out["ok"] = False
         out["problems"].append(f"torch does not work: {type(e).__name__}: {e}")
     out["cpu"], out["cpu_bf16"] = _cpu()
+    from retrograd.device import bf16_matmul_slowdown
+    out["bf16_matmul_slowdown"] = round(bf16_matmul_slowdown(), 2)
     for dist in ("retrograd", "transformers", "peft", "safetensors", "gguf", "tensorboardX"):
         out[dist] = _version(dist)
     try:
@@ -119,7 +121,8 @@ def run_doctor(as_json: bool) -> int:
     print(f"retrograd {d.get('retrograd')}  Python {d['python']}  {d['platform']}")
     line("torch" in d, f"torch {d.get('torch', 'missing')}: {d.get('threads', '?')} threads on {d.get('cpus', '?')} CPUs, "
          f"fp32 matmul {d.get('matmul_fp32_gflops', '?')} GFLOP/s")
-    line(True, f"CPU {d['cpu']}; native bf16: {'yes' if d['cpu_bf16'] else 'no (keep model.dtype float32)'}")
+    line(True, f"CPU {d['cpu']}; native bf16: {'yes' if d['cpu_bf16'] else 'no (keep model.dtype float32)'}; "
+               f"a bf16 matmul takes {d['bf16_matmul_slowdown']:.2f}x the time of float32 here")
     line(None if not d.get("cuda_devices") else True,
          f"CUDA: {', '.join(d['cuda_devices']) if d.get('cuda_devices') else 'no device (CPU training)'}")
     for dist in ("transformers", "peft", "safetensors", "gguf", "tensorboardX"):

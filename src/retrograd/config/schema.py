@@ -147,8 +147,9 @@ class GrpoSamplingTable:
     stop: list = opt([], help="strings that end a completion (EOS always does)")
     dtype: str = opt("auto", choices=("auto", "float32", "bfloat16"),
                      help="precision of the sampler's matmuls: auto follows model.dtype (bfloat16 for a "
-                          "bfloat16 model, else float32); bfloat16 is ~1.5x faster on CPUs with AVX512-BF16. "
-                          "Training log-probs are computed at model.dtype either way")
+                          "bfloat16 model, else float32), except on a CPU without native bf16, where it picks "
+                          "float32; bfloat16 is ~1.5x faster on CPUs with AVX512-BF16 and several times slower on "
+                          "CPUs without. Training log-probs are computed at model.dtype either way")
 
 
 @dataclass(frozen=True)

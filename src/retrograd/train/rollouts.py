@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from retrograd.algorithms.advantages import overlong_penalty, zero_signal_groups
+from retrograd.device import auto_sampling_dtype
 from retrograd.models.load import DTYPES
 from retrograd.rl.sampler import GroupStreams, Samples, sample, stop_string_check
 
@@ -47,7 +48,13 @@ def draw(model, tokenizer, prompts: list, group_size: int, sp, eos: set[int], se
     `group_ids` in the whole update: by default its place in `prompts`)."""
     ids = group_ids if group_ids is not None else list(range(len(prompts)))
     gen = None if greedy else GroupStreams(sp.seed * 1_000_003 + seed_offset, ids, group_size)
-    dtype = None if greedy or sp.dtype == "auto" else DTYPES[sp.dtype]
+    if greedy:
+        dtype = None
+    elif sp.dtype == "auto":  # the model's precision, unless bf16 is the slow path on this CPU
+        param = next(model.parameters())
+        dtype = auto_sampling_dtype(param.dtype, param.device)
+    else:
+        dtype = DTYPES[sp.dtype]
     return sample(model, [p.ids for p in prompts], group_size, sp.max_new_tokens, eos_ids=eos,
                   pad_id=tokenizer.pad_token_id, generator=gen, temperature=0.0 if greedy else sp.temperature,
                   top_k=sp.top_k, top_p=sp.top_p, stop=stop_string_check(tokenizer, list(sp.stop or [])), dtype=dtype,

@@ -25,7 +25,7 @@ from retrograd.algorithms.optim import build_optimizer
 from retrograd.algorithms.schedule import lr_at
 from retrograd.checkpoint import state as ckpt
 from retrograd.config.load import config_as_dict, output_kind
-from retrograd.device import configure_torch, pick_device
+from retrograd.device import bf16_warning, configure_torch, pick_device
 from retrograd.errors import CheckpointError, ConfigError
 from retrograd.export.gguf_lora import check_exportable, write_gguf_lora
 from retrograd.metrics import MetricsLogger
@@ -194,6 +194,10 @@ def start_run(cfg, log, cpu_pass_tokens: int = 512) -> Run:
         log(f"distributed: {world.size} processes ({world.strategy}); each works on its share of every step, "
             "gradients all-reduced; rank 0 writes")
     seed_everything(tr.seed)
+    for key, value in (("model.dtype", cfg.model.dtype), *sampling_dtypes(cfg)):
+        warning = bf16_warning(device, key) if value == "bfloat16" else None
+        if warning:
+            log(warning)
     cfg, loaded, model, modules = prepare_model(cfg, log)
     gguf_copies = tr.trainable == "lora" and ck is not None and model.config.model_type in GGUF_ARCHS
     if tr.trainable == "lora" and ck is not None and not gguf_copies:
@@ -206,6 +210,17 @@ def start_run(cfg, log, cpu_pass_tokens: int = 512) -> Run:
     pass_tokens = tr.micro_batch or (cpu_pass_tokens if device.type == "cpu" else None)
     return Run(cfg, model, loaded.tokenizer, device, loaded, params, build_optimizer(params, tr), modules,
                pass_tokens, log, gguf_copies, world=world)
+
+
+def sampling_dtypes(cfg) -> list[tuple[str, str]]:
+    """(key, value) of every sampling.dtype the run sets ([grpo.sampling], [ppo.sampling], [distill.sampling])."""
+    out = []
+    for table in ("grpo", "ppo", "distill"):
+        t = getattr(cfg, table, None)
+        sp = getattr(t, "sampling", None) if t is not None else None
+        if sp is not None and getattr(sp, "dtype", None):
+            out.append((f"{table}.sampling.dtype", sp.dtype))
+    return out
 
 
 def fresh_progress() -> dict:
