@@ -11,7 +11,7 @@ to one process's on the whole step:
   does exactly that in one summed all-reduce per bucket, weights included, so every rank ends the
   step with the same gradient, clips the same norm and takes the same optimizer step.
 
-That is DDP's maths (gradients all-reduced, replicas identical) done once per optimizer step after
+Strategy "ddp" is DDP's maths (gradients all-reduced, replicas identical) done once per optimizer step after
 all micro-batches, instead of torch's DistributedDataParallel wrapper: the wrapper averages per
 backward (wrong for token-weighted means over uneven shards), needs no_sync() around every
 accumulation pass, and hides the PEFT model behind `.module`. For a LoRA the whole exchange is one
@@ -85,19 +85,26 @@ def single_process_keys(cfg) -> list[str]:
     return out
 
 
+# what FSDP2 (sharded parameters) runs: the offline loops whose passes go through the model's own forward
+FSDP2_ALGORITHMS = ("sft", "preference")
+
+
 def resolve_strategy(requested: str, trainable: str, size: int, algorithm: str, source: str,
                      single_process: list[str] | None = None) -> str:
-    """The strategy this launch runs: "none" for one process, else "ddp". Refuses what cannot run,
-    saying why and what to do instead."""
+    """The strategy this launch runs: "none" for one process, "fsdp2" for a full fine-tune of SFT or
+    preference (auto) or when asked, else "ddp". Refuses what cannot run, saying why and what to do instead."""
     if size == 1:
         return "none"
     if requested == "none":
         raise ConfigError(f"{source}: launched with {size} processes but distributed.strategy = 'none'; set "
                           "strategy = 'auto' (or 'ddp'), or run one process")
     if requested == "fsdp2":
-        raise ConfigError(f"{source}: distributed.strategy = 'fsdp2' (sharded parameters) is not available in this "
-                          "version; use 'ddp' (or 'auto'): every rank holds the whole model and gradients are "
-                          "all-reduced")
+        if trainable != "full":
+            raise ConfigError(f"{source}: distributed.strategy = 'fsdp2' shards a full fine-tune; a LoRA's base is "
+                              "frozen and its adapter small: use 'ddp' (or 'auto')")
+        if algorithm not in FSDP2_ALGORITHMS:
+            raise ConfigError(f"{source}: distributed.strategy = 'fsdp2' runs {', '.join(FSDP2_ALGORITHMS)} in this "
+                              f"version, not run.algorithm = {algorithm!r}; use 'ddp' (or 'auto')")
     if algorithm not in DATA_PARALLEL_ALGORITHMS:
         raise ConfigError(f"{source}: run.algorithm = {algorithm!r} runs in one process in this version (its "
                           f"rollouts are sampled in-process); {size} processes run "
@@ -105,6 +112,8 @@ def resolve_strategy(requested: str, trainable: str, size: int, algorithm: str, 
     if single_process:
         raise ConfigError(f"{source}: {', '.join(single_process)} runs on one process in this version; remove it or "
                           f"launch without torchrun / --nproc")
+    if requested == "fsdp2" or (requested == "auto" and trainable == "full" and algorithm in FSDP2_ALGORITHMS):
+        return "fsdp2"
     return "ddp"
 
 
@@ -248,3 +257,109 @@ def shard(rows: list, world: World | None = None) -> list:
     the shares of all ranks together are the step's rows)."""
     w = world or _world
     return rows[w.rank::w.size]
+
+
+# ---- FSDP2: parameters sharded across the ranks (full fine-tunes) ---------------------------------
+# Every rank loads the whole model, then fully_shard keeps 1/N of each parameter (and of the AdamW
+# state) per rank; each decoder layer is gathered for its forward and backward only. The gradient is
+# reduce-scattered as a mean over the ranks: the loop scales each rank's loss by N x its share of the
+# step's weight (so the mean is all_reduce_gradients' weighted sum). FSDP2's collectives run inside every forward and
+# backward, so every rank must run as many passes as the others: pad_passes adds zero-weight ones.
+
+def shard_model(model, device_type: str) -> None:
+    """fully_shard each decoder layer, then the root (embeddings, final norm, head)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh(device_type, (_world.size,))
+    decoder = getattr(model, model.base_model_prefix)
+    for layer in decoder.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # gradients reduce-scattered as a mean over ranks (gloo has no pre-scaled sum)
+
+
+def is_sharded(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(model, FSDPModule)
+
+
+def sum_value(value: float) -> float:
+    """`value` summed over the ranks."""
+    if not _world.distributed:
+        return value
+    import torch.distributed as dist
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t)
+
+
+class ForwardCount:
+    """Counts the forwards of `model` within (a step's passes), for pad_passes."""
+
+    def __init__(self, model):
+        self.model, self.count, self.handle = model, 0, None
+
+    def __enter__(self):
+        def hook(*_):
+            self.count += 1
+        self.handle = self.model.register_forward_pre_hook(hook)
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+        return False
+
+
+def pad_passes(model, done: int, pad_id: int, device) -> None:
+    """Run zero-weight forward/backward passes until this rank has run as many as the busiest rank
+    (a rank with fewer rows, or shorter ones split into fewer passes, would otherwise leave the others
+    waiting in a collective)."""
+    import torch.distributed as dist
+    t = torch.tensor([done], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    for _ in range(int(t) - done):
+        out = model(input_ids=torch.tensor([[pad_id]], device=device), use_cache=False).logits
+        (out.float().sum() * 0.0).backward()
+
+
+def save_sharded(model, optimizer, folder) -> None:
+    """Every rank writes its shards of the weights and the optimizer state into `folder` (torch's
+    distributed checkpoint: .metadata + one __R_0.distcp per rank); a collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)},
+             checkpoint_id=str(folder))
+
+
+def load_sharded(model, optimizer, folder) -> None:
+    """Read a save_sharded checkpoint into `model` / `optimizer` (optimizer None: weights only), at any
+    number of ranks, one process included: the shards are re-cut to the current layout."""
+    import warnings
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    state = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    with warnings.catch_warnings():  # one process reading a sharded checkpoint is intended here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(folder))
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optim"])
+
+
+def gather_full_model(model):
+    """A plain (unsharded) CPU copy of a sharded model on rank 0, None on the others; a collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not _world.main:
+        return None
+    from transformers import AutoModelForCausalLM
+    plain = AutoModelForCausalLM.from_config(model.config, dtype=next(iter(full.values())).dtype)
+    missing, unexpected = plain.load_state_dict(full, strict=False)
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"the gathered weights do not fit the model: missing {sorted(set(missing) - tied)[:3]}, "
+                           f"unexpected {sorted(unexpected)[:3]}")
+    plain.tie_weights()
+    return plain

@@ -10,49 +10,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
+from dist_util import (CKPT, LONG_CKPT, adapter, completions, launch, overrides, rank_pid, run, run_cli, train_losses,
+                       wait_for)
 from tiny import write_grpo_run, write_ppo_run, write_pref_run, write_run
-
-CKPT = '[checkpoint]\ndirectory = "ckpt"\nmode = "steps"\nevery_steps = 2\n'
-LONG_CKPT = '[checkpoint]\ndirectory = "ckpt"\nmode = "steps"\nevery_steps = 10\n'
-
-
-def launch(cwd: Path, *args, nproc: int = 2) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "retrograd", "train", *map(str, args)]
-    if nproc > 1:
-        cmd += ["--nproc", str(nproc)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-
-
-def run(cwd: Path, *args, nproc: int = 2, timeout: int = 240) -> tuple[int, str]:
-    p = launch(cwd, *args, nproc=nproc)
-    out, _ = p.communicate(timeout=timeout)
-    return p.returncode, out
-
-
-def train_losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
-
-
-def adapter(path: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(path / "adapter_model.safetensors"))
-
-
-def overrides(tag: str) -> list[str]:
-    return ["--set", f'run.directory="runs/{tag}"', "--set", f'checkpoint.directory="ckpt-{tag}"',
-            "--set", f'output.path="out-{tag}/adapter"']
-
 
 def test_sft_lora_two_ranks_take_one_process_updates(tmp_path, tiny_model):
     cfg = write_run(tmp_path, tiny_model, "[lora]\ndropout = 0.0\n" + CKPT, steps=5, train_rows=22)
@@ -83,14 +47,9 @@ def test_sft_lora_two_ranks_take_one_process_updates(tmp_path, tiny_model):
         torch.testing.assert_close(e2[k], e1[k], atol=2e-4, rtol=1e-3)
 
 
-def run_cli(cwd: Path, *args) -> tuple[int, str]:
-    p = subprocess.run([sys.executable, "-m", "retrograd", *map(str, args)], cwd=cwd, capture_output=True, text=True,
-                       timeout=240)
-    return p.returncode, p.stdout + p.stderr
-
-
 def test_sft_full_and_dpo_two_ranks_match_one_process(tmp_path, tiny_model):
-    full = write_run(tmp_path, tiny_model, '[training]\ntrainable = "full"\nlr = 0.001\n', steps=3, name="full.toml")
+    full = write_run(tmp_path, tiny_model, '[training]\ntrainable = "full"\nlr = 0.001\n[distributed]\nstrategy = "ddp"\n',
+                     steps=3, name="full.toml")
     text = full.read_text()
     full.write_text(text[:text.index("[lora]")] + text[text.index("[training]"):])
     dpo = write_pref_run(tmp_path, tiny_model, '[preference]\nloss = "dpo"\n' + CKPT, steps=3)
@@ -106,29 +65,6 @@ def test_sft_full_and_dpo_two_ranks_match_one_process(tmp_path, tiny_model):
         assert sorted(one) == sorted(two) == [1, 2, 3]
         for step in one:
             assert two[step] == pytest.approx(one[step], abs=1e-5), (kind, step)
-
-
-def rank_pid(torchrun: subprocess.Popen, rank: int) -> int:
-    """The pid of `rank`'s worker among torchrun's children (read from /proc)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent == torchrun.pid and f"RANK={rank}".encode() in env:
-            return int(entry.name)
-    raise AssertionError(f"no worker of rank {rank} found")
-
-
-def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while not (path / "manifest.json").exists():
-        assert proc.poll() is None, proc.communicate()[0]
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.05)
 
 
 def test_killed_rank_stops_all_sigterm_saves_and_resume_is_exact(tmp_path, tiny_model):
@@ -170,11 +106,6 @@ def test_killed_rank_stops_all_sigterm_saves_and_resume_is_exact(tmp_path, tiny_
     assert code == 0 and "saved by 2 process(es), this run has 1" in out, out
 
 
-def completions(run_dir: Path) -> list[tuple]:
-    rows = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
-    return [(r["step"], r["prompt"], r["completion"], r["reward"]) for r in rows]
-
-
 def test_grpo_lora_two_ranks_sample_and_update_as_one_process(tmp_path, tiny_model):
     # 3 prompts per update: rank 0 samples groups 0 and 2, rank 1 group 1; the KL term runs the reference too
     cfg = write_grpo_run(tmp_path, tiny_model, "[grpo]\nprompts_per_update = 3\nkl_coefficient = 0.05\n"
@@ -207,7 +138,7 @@ def test_what_cannot_run_distributed_is_refused_at_once(tmp_path, tiny_model):
     assert code != 0 and "[grpo.dynamic_sampling] runs on one process in this version" in out, out
     sft = write_run(tmp_path, tiny_model, steps=2)
     code, out = run(tmp_path, sft, "--set", 'distributed.strategy="fsdp2"', timeout=120)
-    assert code != 0 and "'fsdp2' (sharded parameters) is not available" in out, out
+    assert code != 0 and "'fsdp2' shards a full fine-tune; a LoRA's base is frozen" in out, out
     code, out = run(tmp_path, sft, "--set", 'distributed.strategy="none"', timeout=120)
     assert code != 0 and "launched with 2 processes but distributed.strategy = 'none'" in out, out
     code, out = run(tmp_path, sft, "--nproc", "0", nproc=1)

@@ -29,11 +29,18 @@ def test_metrics_combine_as_one_process_would():
 
 def test_one_process_needs_no_group_and_refusals_name_the_fix():
     assert dist.resolve_strategy("auto", "lora", 1, "grpo", "run.toml") == "none"
-    assert dist.resolve_strategy("auto", "full", 2, "sft", "run.toml") == "ddp"
+    assert dist.resolve_strategy("auto", "full", 2, "sft", "run.toml") == "fsdp2"
+    assert dist.resolve_strategy("auto", "lora", 2, "sft", "run.toml") == "ddp"
+    assert dist.resolve_strategy("auto", "full", 2, "grpo", "run.toml") == "ddp"  # its passes need the fused head
+    assert dist.resolve_strategy("ddp", "full", 2, "preference", "run.toml") == "ddp"
     with pytest.raises(dist.ConfigError, match="runs in one process in this version"):
         dist.resolve_strategy("auto", "lora", 2, "ppo", "run.toml")
-    with pytest.raises(dist.ConfigError, match="use 'ddp'"):
-        dist.resolve_strategy("fsdp2", "full", 2, "sft", "run.toml")
+    with pytest.raises(dist.ConfigError, match="shards a full fine-tune"):
+        dist.resolve_strategy("fsdp2", "lora", 2, "sft", "run.toml")
+    with pytest.raises(dist.ConfigError, match="not run.algorithm = 'grpo'"):
+        dist.resolve_strategy("fsdp2", "full", 2, "grpo", "run.toml")
+    with pytest.raises(dist.ConfigError, match=r"\[grpo.judge\] runs on one process"):
+        dist.resolve_strategy("auto", "lora", 2, "grpo", "run.toml", ["[grpo.judge]"])
     # without torchrun every collective is the identity
     assert dist.reduce_metrics({"a": 1.0}, 2.0, set()) == {"a": 1.0}
     assert dist.any_rank(True) and not dist.any_rank(False)

@@ -19,8 +19,12 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> float:
     if not grads:
         return 0.0
     if max_norm > 0:
-        return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in grads])))
+        norm = torch.nn.utils.clip_grad_norm_(grads, max_norm)
+    elif hasattr(grads[0].grad, "full_tensor"):  # sharded (FSDP2) gradients: the norm over every rank's shard
+        norm = torch.nn.utils.get_total_norm([p.grad for p in grads])
+    else:
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in grads]))
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_norm: float) -> float:

@@ -51,17 +51,20 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_state(directory: Path, name: str, write_payload, meta: dict) -> Path:
+def save_state(directory: Path, name: str, write_payload, meta: dict, staging: Path | None = None) -> Path:
     """Write checkpoint `name` in `directory`.
 
     `write_payload(folder)` writes the payload files into the staging folder; `meta` (fingerprints,
     settings, step) goes into the manifest, which is written last with every file's SHA-256.
+    `staging`: a staging folder that already holds part of the payload (the shards every rank of an
+    FSDP2 run wrote); by default a fresh one.
     """
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / name
-    staging = directory / f".staging-{name}-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    if staging is None:
+        staging = directory / f".staging-{name}-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
     write_payload(staging)
     if os.environ.get(CRASH_ENV) == name:
         os.kill(os.getpid(), signal.SIGKILL)

@@ -428,10 +428,11 @@ class BackpressureTable:
 @dataclass(frozen=True)
 class DistributedTable:
     strategy: str = opt("auto", choices=("auto", "none", "ddp", "fsdp2"), trajectory=False,
-                        help="with several processes (torchrun, --nproc): auto / ddp = every rank holds the model, "
-                             "trains on its share of each step's rows, gradients all-reduced (the update equals one "
-                             "process's); fsdp2 (sharded parameters) is not available yet; none = refuse several "
-                             "processes")
+                        help="with several processes (torchrun, --nproc): ddp = every rank holds the model and "
+                             "works on its share of each step, gradients all-reduced (the update equals one "
+                             "process's); fsdp2 = the same with weights and optimizer state sharded (full "
+                             "fine-tunes of sft / preference); auto = fsdp2 for those, else ddp; none = refuse "
+                             "several processes")
 
 
 @dataclass(frozen=True)

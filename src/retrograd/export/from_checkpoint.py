@@ -57,6 +57,10 @@ def load_checkpoint_model(checkpoint: str | Path, log=print):
     model = loaded.model
     if lora:
         model, _ = attach_lora(model, lora["rank"], lora["alpha"], lora["modules"], 0.0, 0)
+    if (checkpoint / ".metadata").exists():  # an FSDP2 run's shards: re-cut into this one process's model
+        from retrograd.dist import load_sharded
+        load_sharded(model, None, checkpoint)
+        return model, loaded.tokenizer, lora, manifest
     tensors = load_file(str(checkpoint / "weights.safetensors"))
     params = dict(model.named_parameters())
     missing = [n for n in tensors if n not in params]
@@ -80,7 +84,7 @@ def export_checkpoint(checkpoint: str | Path, fmt: str, out: str | Path, dtype: 
     out.parent.mkdir(parents=True, exist_ok=True)
     model, tokenizer, lora, manifest = load_checkpoint_model(checkpoint, log)
     _check_target(out, force, manifest["files"]["weights.safetensors"]["bytes"] if lora and fmt in ("gguf", "peft")
-                  else 4 * sum(p.numel() for p in model.parameters()))
+                  and "weights.safetensors" in manifest["files"] else 4 * sum(p.numel() for p in model.parameters()))
 
     if out.exists():
         shutil.rmtree(out) if out.is_dir() else out.unlink()

@@ -45,7 +45,9 @@ class Scorer:
         self.base = base
         plain_head = isinstance(self.head, torch.nn.Linear) and self.head.bias is None
         transforms = any(getattr(base.config, k, None) not in (None, 1.0) for k in _LOGIT_TRANSFORMS)
-        self.fused = plain_head and not transforms
+        # a sharded (FSDP2) model gathers its weights inside its own forward only: score through it
+        from retrograd.dist import is_sharded
+        self.fused = plain_head and not transforms and not is_sharded(model)
 
     # ---- the two forwards ------------------------------------------------------------------------
     def hidden(self, batch: dict) -> torch.Tensor:

@@ -6,6 +6,7 @@ trainable tensors, optimizer state, every RNG, and the loop's progress dict.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -45,6 +46,31 @@ def save_training_state(directory: Path, name: str, model, optimizer, progress: 
     return ckpt.save_state(Path(directory), name, write, {**meta, "step": progress["step"]})
 
 
+def save_sharded_training_state(directory: Path, name: str, model, optimizer, progress: dict, meta: dict,
+                                rank_rngs: list, world) -> None:
+    """An FSDP2 run's checkpoint: every rank writes its shards of the weights and the optimizer state
+    (torch.distributed.checkpoint: .metadata + __R_0.distcp) into one staging folder, then rank 0 adds
+    the RNGs and progress, the manifest over every file, and renames the folder into place as
+    save_state does for one process."""
+    from retrograd import dist
+    staging = Path(directory) / f".staging-{name}-sharded"
+    if world.main:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+    dist.barrier()
+    dist.save_sharded(model, optimizer, staging)
+    dist.barrier()
+    if world.main:
+        def write(folder: Path) -> None:
+            torch.save(rank_rngs[0], folder / "rng.pt")
+            for rank, state in enumerate(rank_rngs[1:], start=1):
+                torch.save(state, folder / f"rng-rank-{rank}.pt")
+            (folder / "progress.json").write_text(json.dumps(progress, indent=1, sort_keys=True))
+        ckpt.save_state(Path(directory), name, write, {**meta, "step": progress["step"]}, staging=staging)
+    dist.barrier()
+
+
 def check_resumable(path: Path, meta: dict) -> dict:
     """Verify the checkpoint's files and that it belongs to this run; returns its manifest."""
     manifest = ckpt.verify_state(path)
@@ -58,9 +84,18 @@ def check_resumable(path: Path, meta: dict) -> dict:
 
 def load_training_state(path: Path, model, optimizer, device, rank: int = 0, seed: int = 0) -> tuple[dict, int]:
     """Restore weights, optimizer and this rank's RNGs in place; return (the progress dict, the number of
-    processes that saved it). A rank the checkpoint has no random state for is seeded seed + rank."""
-    tensors = load_file(str(path / "weights.safetensors"))
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    processes that saved it). A rank the checkpoint has no random state for is seeded seed + rank.
+    A sharded (FSDP2) checkpoint loads at any number of processes; a whole-model one into a sharded run
+    is refused (its optimizer state is keyed by one process's parameters)."""
+    from retrograd import dist
+    sharded_ckpt = (path / ".metadata").exists()
+    if sharded_ckpt:
+        dist.load_sharded(model, optimizer, path)
+    elif dist.is_sharded(model):
+        raise CheckpointError(f"{path} holds the whole model (one process or ddp); an fsdp2 run resumes only "
+                              "its own sharded checkpoints: resume with distributed.strategy = 'ddp' (or one process)")
+    tensors = {} if sharded_ckpt else load_file(str(path / "weights.safetensors"))
+    params = {} if sharded_ckpt else {n: p for n, p in model.named_parameters() if p.requires_grad}
     if set(tensors) != set(params):
         missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
         raise CheckpointError(f"{path}: its trainable tensors do not match the model "
@@ -72,7 +107,8 @@ def load_training_state(path: Path, model, optimizer, device, rank: int = 0, see
                                       f"the model has {tuple(p.shape)}")
             p.copy_(tensors[n].to(device))
     try:
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
+        if not sharded_ckpt:
+            optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
         rng_file = path / ("rng.pt" if rank == 0 else f"rng-rank-{rank}.pt")
         if rng_file.exists():
             set_rng_state(torch.load(rng_file, weights_only=False))

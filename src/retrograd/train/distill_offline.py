@@ -170,6 +170,7 @@ class TopkTask:
         cfg, tr, d, ev = run.cfg, run.cfg.training, run.cfg.distill, run.cfg.evaluation
         self.run, self.tr, self.ev = run, tr, ev
         self.scorer = Scorer(run.model)
+        self.loss_scale = 1.0  # required by the offline loop; FSDP2 (which sets it) does not run this task
         if not self.scorer.fused:
             raise ConfigError(f"model.path {cfg.model.path}: offline top-k distillation needs a plain linear LM head "
                               "(this model transforms its logits); use mode = \"on_policy\"")

@@ -11,11 +11,14 @@ What differs per algorithm lives in a Task (train/sft.py, train/preference.py), 
   prepare(resume_path)              work before the first step (e.g. scoring the reference once)
   step(rows) -> metrics             forward + backward of one optimizer step (no optimizer call)
   loss_weight(rows) -> float        what step's loss is a mean over (target tokens, pairs)
+  loss_scale                        a factor on every backward (1; the rank's share of the step under FSDP2)
   evaluate() -> metrics             held-out metrics, `eval_metric` among them
 
 Several processes (torchrun, retrograd/dist.py): each rank runs `step` on its share of the step's rows
 (every world-size-th row); the gradients are all-reduced weighted by loss_weight, so every rank takes
-the update one process takes on all the rows. Every rank evaluates (the replicas are identical, and
+the update one process takes on all the rows. Under FSDP2 (sharded weights, a full fine-tune) the
+gradients are summed inside backward, so each rank's loss is scaled by its share of the step's weight
+first, and a rank with fewer passes runs zero-weight ones (the collectives must pair up). Every rank evaluates (the replicas are identical, and
 so are their numbers); rank 0 logs and writes.
 """
 from __future__ import annotations
@@ -76,10 +79,19 @@ def train_offline(cfg, make_task: Callable[[Run], object], resume: str | None = 
             # ---- forward/backward (the Task), one optimizer step ----
             lr = lr_for(run, progress["step"], total_steps)
             mine = dist.shard(rows, run.world)
-            step_metrics, weight = (task.step(mine), task.loss_weight(mine)) if mine else ({}, 0.0)
-            if run.world.distributed:
-                dist.all_reduce_gradients(run.params, weight)
+            weight = task.loss_weight(mine) if mine else 0.0
+            if run.world.strategy == "fsdp2":  # gradients are averaged inside backward: weight the loss first
+                total = dist.sum_value(weight)
+                task.loss_scale = run.world.size * weight / total if total > 0 else 0.0
+                with dist.ForwardCount(run.model) as passes:
+                    step_metrics = task.step(mine) if mine else {}
+                dist.pad_passes(run.model, passes.count, run.tokenizer.pad_token_id, run.device)
                 step_metrics = dist.reduce_metrics(step_metrics, weight, COUNT_METRICS)
+            else:
+                step_metrics = task.step(mine) if mine else {}
+                if run.world.distributed:
+                    dist.all_reduce_gradients(run.params, weight)
+                    step_metrics = dist.reduce_metrics(step_metrics, weight, COUNT_METRICS)
             grad_norm = optimizer_step(run.optimizer, run.params, tr.max_grad_norm)
             progress["step"] += 1
             progress["tokens_seen"] += step_metrics["train/tokens"]

@@ -72,6 +72,7 @@ class PreferenceTask:
         self.pad_id = s.tokenizer.pad_token_id
         self.ref_train = self.ref_eval = None
         self.warned_drop = False
+        self.loss_scale = 1.0  # the offline loop sets it under FSDP2
 
     # ---- the reference, scored once ------------------------------------------------------------
     def _reference_key(self) -> dict:
@@ -143,7 +144,7 @@ class PreferenceTask:
             logps = self.scorer.sequence_logprobs(to_device(collate(flatten(chunk), self.pad_id), self.s.device)).cpu()
             ref = self.ref_train[[p.index for p in chunk]] if self.ref_train is not None else None
             loss, st = self._loss(chunk, logps, ref)
-            (loss.sum() / len(pairs)).backward()
+            (loss.sum() / len(pairs) * self.loss_scale).backward()
             losses.append(loss.detach())
             for k, v in st.items():
                 stats.setdefault(k, []).append(v)

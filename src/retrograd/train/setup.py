@@ -204,6 +204,8 @@ def start_run(cfg, log, cpu_pass_tokens: int = 512) -> Run:
         log(f"note: no .gguf copies beside checkpoints: llama.cpp adapters are written for "
             f"{', '.join(GGUF_ARCHS)} models, not {model.config.model_type!r}")
     model.to(device).train()
+    if world.strategy == "fsdp2":  # 1/N of every weight (and of its optimizer state) per rank
+        dist.shard_model(model, device.type)
     params = [p for p in model.parameters() if p.requires_grad]
     n_train, n_all = sum(p.numel() for p in params), sum(p.numel() for p in model.parameters())
     log(f"model {loaded.source}: {n_all:,} parameters, {n_train:,} trainable ({tr.trainable})")
@@ -242,8 +244,8 @@ def restore(run: Run, resume_path: str | None) -> dict:
                                                    run.world.rank, run.cfg.training.seed)
     if saved_world != run.world.size:
         run.log(f"note: {resume_path} was saved by {saved_world} process(es), this run has {run.world.size}: the "
-                "weights, optimizer and data position carry over (every rank holds them whole); ranks without a "
-                "saved random state start from training.seed + rank")
+                "weights, optimizer state and data position carry over (sharded ones re-cut to this layout); ranks "
+                "without a saved random state start from training.seed + rank")
     return progress
 
 
@@ -319,6 +321,10 @@ def save_checkpoint(run: Run, name: str, progress: dict, meta: dict, extra=None)
     `extra(folder)` adds the loop's own files (PPO's critic)."""
     ck = run.cfg.checkpoint
     rank_rngs = dist.gather_objects(rng_state())  # every rank's generators; rank 0 writes them all
+    if run.world.strategy == "fsdp2":  # every rank writes its shards into the one checkpoint folder
+        io.save_sharded_training_state(Path(ck.directory), name, run.model, run.optimizer, progress,
+                                       {**meta, "world_size": run.world.size, "sharded": True}, rank_rngs, run.world)
+        return
     if run.world.main:
         io.save_training_state(Path(ck.directory), name, run.model, run.optimizer, progress,
                                {**meta, "world_size": run.world.size}, extra, rank_rngs)
@@ -344,8 +350,9 @@ def finish(run: Run, metrics: MetricsLogger, progress: dict, stopped_by: str, ex
     elif stopped_by == "signal":
         metrics.print(f"stopped at step {step}" + ("; continue with --resume" if cfg.checkpoint else ""))
     out = Path(cfg.output.path)
+    model = dist.gather_full_model(run.model) if run.world.strategy == "fsdp2" else run.model
     if run.world.main:
-        out = save_output(run.model, run.tokenizer, cfg)
+        out = save_output(model, run.tokenizer, cfg)
     metrics.print(f"wrote {out}")
     dist.barrier()
     metrics.close(STOP_STATUS[stopped_by])

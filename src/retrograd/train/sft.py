@@ -58,6 +58,7 @@ class SftTask:
             self.fingerprints["eval_data"] = fingerprint_path(resolve_data_path(ev.data))
         self.scorer = Scorer(run.model)
         self.pad_id = run.tokenizer.pad_token_id
+        self.loss_scale = 1.0
 
     def prepare(self, resume_path) -> None:
         pass
@@ -68,7 +69,7 @@ class SftTask:
         for i in range(0, len(rows), self.tr.batch_size):
             for chunk in split_by_tokens(rows[i:i + self.tr.batch_size], self.run.pass_tokens):
                 loss = self.scorer.loss_sum(to_device(collate(chunk, self.pad_id), self.run.device))
-                (loss / n_targets).backward()
+                (loss / n_targets * self.loss_scale).backward()
                 loss_sum += float(loss.detach())
                 n_tokens += sum(len(e.input_ids) for e in chunk)
         return {"train/loss": loss_sum / n_targets, "train/tokens": n_tokens, "train/target_tokens": n_targets}

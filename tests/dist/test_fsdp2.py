@@ -1,0 +1,107 @@
+"""FSDP2 (weights and optimizer state sharded across 2 gloo ranks) for full fine-tunes: the same losses
+and weights as one process, a torch.distributed.checkpoint inside the .state folder that resumes
+bit-exactly on 2 ranks after kill -9, re-cuts to 1 process, and exports like a one-process checkpoint."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dist_util import CKPT, LONG_CKPT, launch, rank_pid, run, run_cli, train_losses, wait_for
+from tiny import write_pref_run, write_run
+
+
+def full_config(tmp_path: Path, tiny_model: Path, extra: str, steps: int, rows: int = 22) -> Path:
+    cfg = write_run(tmp_path, tiny_model, '[training]\ntrainable = "full"\nlr = 0.001\n' + extra, steps=steps,
+                    train_rows=rows, name="full.toml")
+    text = cfg.read_text()
+    cfg.write_text(text[:text.index("[lora]")] + text[text.index("[training]"):])
+    return cfg
+
+
+def sets(tag: str) -> list[str]:
+    return ["--set", f'run.directory="runs/{tag}"', "--set", f'checkpoint.directory="ckpt-{tag}"',
+            "--set", f'output.path="out-{tag}"']
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "model.safetensors"))
+
+
+def test_sft_full_sharded_takes_one_process_updates_and_exports_alike(tmp_path, tiny_model):
+    cfg = full_config(tmp_path, tiny_model, CKPT, steps=5)  # 22 rows of 4: uneven shares at the epoch's end
+    code1, out1 = run(tmp_path, cfg, *sets("one"), nproc=1)
+    code2, out2 = run(tmp_path, cfg, *sets("two"))
+    assert code1 == 0 and code2 == 0, out1 + out2
+    assert "distributed: 2 processes (fsdp2)" in out2 and f"wrote {tmp_path / 'out-two'}" in out2
+    one, two = train_losses(tmp_path / "runs/one"), train_losses(tmp_path / "runs/two")
+    assert sorted(one) == sorted(two) == [1, 2, 3, 4, 5]
+    for step in one:
+        assert two[step] == pytest.approx(one[step], abs=1e-5), step
+    a, b = weights(tmp_path / "out-one"), weights(tmp_path / "out-two")
+    assert sorted(a) == sorted(b)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-4, rtol=1e-4)
+    # the checkpoint: each rank's shard + DCP metadata, under the manifest like every other file
+    step4 = tmp_path / "ckpt-two" / "step-000000000004.state"
+    manifest = json.loads((step4 / "manifest.json").read_text())
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "rng.pt", "rng-rank-1.pt"} <= set(manifest["files"])
+    assert manifest["world_size"] == 2 and "weights.safetensors" not in manifest["files"]
+    for tag in ("one", "two"):  # one process exports the sharded checkpoint as it does its own
+        code, out = run_cli(tmp_path, "export", tmp_path / f"ckpt-{tag}" / "step-000000000004.state", "--format", "hf",
+                            "--out", tmp_path / f"exported-{tag}")
+        assert code == 0, out
+    e1, e2 = weights(tmp_path / "exported-one"), weights(tmp_path / "exported-two")
+    assert sorted(e1) == sorted(e2)
+    for k in e1:
+        torch.testing.assert_close(e2[k], e1[k], atol=1e-4, rtol=1e-4)
+
+
+def test_killed_rank_resumes_bit_exact_and_another_world_size_re_cuts(tmp_path, tiny_model):
+    cfg = full_config(tmp_path, tiny_model, LONG_CKPT, steps=200, rows=40)
+    code, out = run(tmp_path, cfg, *sets("straight"))
+    assert code == 0 and "wrote " in out, out
+    straight = weights(tmp_path / "out-straight")
+
+    p = launch(tmp_path, cfg, *sets("killed"))
+    wait_for(tmp_path / "ckpt-killed/step-000000000010.state", p)
+    os.kill(rank_pid(p, 1), signal.SIGKILL)
+    out, _ = p.communicate(timeout=90)
+    assert p.returncode != 0 and "wrote " not in out
+    code, out = run(tmp_path, cfg, *sets("killed"), "--resume")
+    assert code == 0 and "resumed from" in out and "wrote " in out, out
+    resumed = weights(tmp_path / "out-killed")
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+
+    # one process continues from the 2-rank shards (re-cut), to the same weights within float noise
+    code, out = run(tmp_path, cfg, *sets("one"), "--resume", tmp_path / "ckpt-straight" / "step-000000000100.state",
+                    nproc=1)
+    assert code == 0 and "saved by 2 process(es), this run has 1" in out, out
+    alone = weights(tmp_path / "out-one")
+    for k in straight:
+        torch.testing.assert_close(alone[k], straight[k], atol=1e-4, rtol=1e-4)
+    # a whole-model checkpoint (one process) cannot feed a sharded run's optimizer: refused, named
+    step = tmp_path / "ckpt-one" / "step-000000000110.state"
+    code, out = run(tmp_path, cfg, *sets("mixed"), "--resume", step)
+    assert code != 0 and "an fsdp2 run resumes only its own sharded checkpoints" in out, out
+
+
+def test_dpo_full_sharded_matches_one_process_and_lora_is_refused(tmp_path, tiny_model):
+    cfg = write_pref_run(tmp_path, tiny_model, '[training]\ntrainable = "full"\nlr = 0.001\n', steps=3)
+    text = cfg.read_text()
+    cfg.write_text(text[:text.index("[lora]")] + text[text.index("[training]"):])
+    code1, out1 = run(tmp_path, cfg, "--set", 'run.directory="runs/one"', "--set", 'output.path="out-one"', nproc=1)
+    code2, out2 = run(tmp_path, cfg, "--set", 'run.directory="runs/two"', "--set", 'output.path="out-two"')
+    assert code1 == 0 and code2 == 0 and "(fsdp2)" in out2, out1 + out2
+    one, two = train_losses(tmp_path / "runs/one"), train_losses(tmp_path / "runs/two")
+    assert sorted(one) == sorted(two) == [1, 2, 3]
+    for step in one:
+        assert two[step] == pytest.approx(one[step], abs=1e-5), step
+    lora = write_run(tmp_path, tiny_model, '[distributed]\nstrategy = "fsdp2"\n', steps=2)
+    code, out = run(tmp_path, lora, timeout=120)
+    assert code != 0 and "'fsdp2' shards a full fine-tune" in out, out
