@@ -120,11 +120,11 @@ def auto_sampling_dtype(model_dtype: torch.dtype, device) -> torch.dtype | None:
     return torch.float32 if model_dtype == torch.bfloat16 and bf16_slow_here(device) else None
 
 
-def bf16_warning(device, what: str) -> str | None:
+def bf16_warning(device, what: str, value: str = "bfloat16") -> str | None:
     """A warning for a user who asked for bf16 (`what`: the key) where it is the slow path, with the
     slowdown measured here; None where bf16 is fine."""
     if not bf16_slow_here(device):
         return None
-    return (f"warning: {what} = 'bfloat16', but this CPU has no native bf16 ({' / '.join(BF16_CPU_FLAGS)}): a bf16 "
+    return (f"warning: {what} = {value!r}, but this CPU has no native bf16 ({' / '.join(BF16_CPU_FLAGS)}): a bf16 "
             f"matmul measured {bf16_matmul_slowdown():.1f}x slower than float32 here. Use float32 on this machine "
             "(bf16 pays off on CPUs with those flags and on GPUs)")

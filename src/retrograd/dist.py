@@ -90,7 +90,7 @@ FSDP2_ALGORITHMS = ("sft", "preference")
 
 
 def resolve_strategy(requested: str, trainable: str, size: int, algorithm: str, source: str,
-                     single_process: list[str] | None = None) -> str:
+                     single_process: list[str] | None = None, mixed_precision: str = "none") -> str:
     """The strategy this launch runs: "none" for one process, "fsdp2" for a full fine-tune of SFT or
     preference (auto) or when asked, else "ddp". Refuses what cannot run, saying why and what to do instead."""
     if size == 1:
@@ -114,16 +114,19 @@ def resolve_strategy(requested: str, trainable: str, size: int, algorithm: str, 
                           f"launch without torchrun / --nproc")
     if requested == "fsdp2" or (requested == "auto" and trainable == "full" and algorithm in FSDP2_ALGORITHMS):
         return "fsdp2"
+    if mixed_precision != "none":
+        raise ConfigError(f"{source}: distributed.mixed_precision = {mixed_precision!r} applies to fsdp2 (a full "
+                          "fine-tune of sft / preference); with ddp set model.dtype instead")
     return "ddp"
 
 
 def init(requested: str, trainable: str, algorithm: str, device_type: str, source: str,
-         single_process: list[str] | None = None) -> World:
+         single_process: list[str] | None = None, mixed_precision: str = "none") -> World:
     """Join the process group torchrun prepared (nothing to do for one process). Call before the model
     loads, so a refused launch costs nothing."""
     global _world
     size = launched_size()
-    strategy = resolve_strategy(requested, trainable, size, algorithm, source, single_process)
+    strategy = resolve_strategy(requested, trainable, size, algorithm, source, single_process, mixed_precision)
     if size == 1:
         _world = World()
         return _world
@@ -266,15 +269,20 @@ def shard(rows: list, world: World | None = None) -> list:
 # step's weight (so the mean is all_reduce_gradients' weighted sum). FSDP2's collectives run inside every forward and
 # backward, so every rank must run as many passes as the others: pad_passes adds zero-weight ones.
 
-def shard_model(model, device_type: str) -> None:
-    """fully_shard each decoder layer, then the root (embeddings, final norm, head)."""
+def shard_model(model, device_type: str, mixed_precision: str = "none") -> None:
+    """fully_shard each decoder layer, then the root (embeddings, final norm, head). mixed_precision
+    "bf16": the gathered weights compute in bfloat16, gradients are reduced in float32, and the sharded
+    weights the optimizer steps stay float32."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(device_type, (_world.size,))
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if mixed_precision == "bf16" else MixedPrecisionPolicy())
     decoder = getattr(model, model.base_model_prefix)
     for layer in decoder.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)  # gradients reduce-scattered as a mean over ranks (gloo has no pre-scaled sum)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    # gradients reduce-scattered as a mean over ranks (gloo has no pre-scaled sum)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def is_sharded(model) -> bool:

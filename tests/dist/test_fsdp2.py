@@ -60,6 +60,12 @@ def test_sft_full_sharded_takes_one_process_updates_and_exports_alike(tmp_path, 
     assert sorted(e1) == sorted(e2)
     for k in e1:
         torch.testing.assert_close(e2[k], e1[k], atol=1e-4, rtol=1e-4)
+    # bf16 compute, float32 weights / optimizer / reduction: the fp32 curve within bf16's rounding
+    code, out = run(tmp_path, cfg, *sets("bf16"), "--set", 'distributed.mixed_precision="bf16"')
+    assert code == 0 and "wrote " in out, out
+    mixed = train_losses(tmp_path / "runs/bf16")
+    assert all(mixed[s] == pytest.approx(one[s], abs=0.05) for s in one) and mixed != two
+    assert all(t.dtype == torch.float32 for t in weights(tmp_path / "out-bf16").values())
 
 
 def test_killed_rank_resumes_bit_exact_and_another_world_size_re_cuts(tmp_path, tiny_model):

@@ -39,6 +39,8 @@ def test_one_process_needs_no_group_and_refusals_name_the_fix():
         dist.resolve_strategy("fsdp2", "lora", 2, "sft", "run.toml")
     with pytest.raises(dist.ConfigError, match="not run.algorithm = 'grpo'"):
         dist.resolve_strategy("fsdp2", "full", 2, "grpo", "run.toml")
+    with pytest.raises(dist.ConfigError, match="mixed_precision = 'bf16' applies to fsdp2"):
+        dist.resolve_strategy("auto", "lora", 2, "sft", "run.toml", None, "bf16")
     with pytest.raises(dist.ConfigError, match=r"\[grpo.judge\] runs on one process"):
         dist.resolve_strategy("auto", "lora", 2, "grpo", "run.toml", ["[grpo.judge]"])
     # without torchrun every collective is the identity

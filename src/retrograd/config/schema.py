@@ -433,6 +433,10 @@ class DistributedTable:
                              "process's); fsdp2 = the same with weights and optimizer state sharded (full "
                              "fine-tunes of sft / preference); auto = fsdp2 for those, else ddp; none = refuse "
                              "several processes")
+    mixed_precision: str = opt("none", choices=("none", "bf16"),
+                               help="fsdp2: bf16 = layers compute in bfloat16 (gathered weights cast, half the "
+                                    "communication) while the sharded weights, optimizer and gradient reduction stay "
+                                    "float32; on a CPU without native bf16 it is slower, and the run says so")
 
 
 @dataclass(frozen=True)

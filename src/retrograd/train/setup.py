@@ -187,15 +187,17 @@ def start_run(cfg, log, cpu_pass_tokens: int = 512) -> Run:
     if algorithm == "distill" and cfg.distill.mode == "topk_offline":
         algorithm = "distill-offline"
     world = dist.init(cfg.distributed.strategy, tr.trainable, algorithm, device.type, cfg.source,
-                      dist.single_process_keys(cfg))
+                      dist.single_process_keys(cfg), cfg.distributed.mixed_precision)
     if not world.main:
         log = _silent
     if world.distributed:
         log(f"distributed: {world.size} processes ({world.strategy}); each works on its share of every step, "
             "gradients all-reduced; rank 0 writes")
     seed_everything(tr.seed)
-    for key, value in (("model.dtype", cfg.model.dtype), *sampling_dtypes(cfg)):
-        warning = bf16_warning(device, key) if value == "bfloat16" else None
+    mixed = ([("distributed.mixed_precision", "bf16")]
+             if world.strategy == "fsdp2" and cfg.distributed.mixed_precision == "bf16" else [])
+    for key, value in (("model.dtype", cfg.model.dtype), *sampling_dtypes(cfg), *mixed):
+        warning = bf16_warning(device, key, value) if value in ("bfloat16", "bf16") else None
         if warning:
             log(warning)
     cfg, loaded, model, modules = prepare_model(cfg, log)
@@ -205,7 +207,7 @@ def start_run(cfg, log, cpu_pass_tokens: int = 512) -> Run:
             f"{', '.join(GGUF_ARCHS)} models, not {model.config.model_type!r}")
     model.to(device).train()
     if world.strategy == "fsdp2":  # 1/N of every weight (and of its optimizer state) per rank
-        dist.shard_model(model, device.type)
+        dist.shard_model(model, device.type, cfg.distributed.mixed_precision)
     params = [p for p in model.parameters() if p.requires_grad]
     n_train, n_all = sum(p.numel() for p in params), sum(p.numel() for p in model.parameters())
     log(f"model {loaded.source}: {n_all:,} parameters, {n_train:,} trainable ({tr.trainable})")
