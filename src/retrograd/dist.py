@@ -35,8 +35,8 @@ import torch
 
 from retrograd.errors import ConfigError
 
-# algorithms whose loop runs data-parallel today (PPO and on-policy distillation stay single-process)
-DATA_PARALLEL_ALGORITHMS = ("sft", "preference", "distill-offline", "grpo")
+# algorithms whose loop runs data-parallel today (PPO stays single-process: its critic trains beside the policy)
+DATA_PARALLEL_ALGORITHMS = ("sft", "preference", "distill-offline", "grpo", "distill")
 GRAD_BUCKET_ELEMENTS = 1 << 24  # 64 MB of fp32 per all-reduce message for a full fine-tune
 
 

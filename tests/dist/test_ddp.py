@@ -16,7 +16,7 @@ import torch
 
 from dist_util import (CKPT, LONG_CKPT, adapter, completions, launch, overrides, rank_pid, run, run_cli, train_losses,
                        wait_for)
-from tiny import write_grpo_run, write_ppo_run, write_pref_run, write_run
+from tiny import make_teacher_dir, write_distill_run, write_grpo_run, write_ppo_run, write_pref_run, write_run
 
 def test_sft_lora_two_ranks_take_one_process_updates(tmp_path, tiny_model):
     cfg = write_run(tmp_path, tiny_model, "[lora]\ndropout = 0.0\n" + CKPT, steps=5, train_rows=22)
@@ -127,6 +127,26 @@ def test_grpo_lora_two_ranks_sample_and_update_as_one_process(tmp_path, tiny_mod
     assert code == 0 and "wrote " in out, out
     straight, resumed = adapter(tmp_path / "out-two/adapter"), adapter(tmp_path / "out-two-resumed/adapter")
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+
+
+def test_on_policy_distillation_two_ranks_match_one_process(tmp_path, tiny_model):
+    teacher = make_teacher_dir(tmp_path / "teacher", tiny_model)
+    # 3 prompts per update and temperature 0.8: the student's log-probs come from a forward on each rank
+    cfg = write_distill_run(tmp_path, tiny_model, teacher, "[distill]\nprompts_per_update = 3\n"
+                            "[distill.sampling]\ntemperature = 0.8\n"
+                            "[evaluation]\ndata = \"prompts.jsonl\"\nmax_examples = 5\n", updates=3)
+    code1, out1 = run(tmp_path, cfg, "--set", 'run.directory="runs/one"', "--set", 'output.path="out-one/adapter"',
+                      nproc=1)
+    code2, out2 = run(tmp_path, cfg, "--set", 'run.directory="runs/two"', "--set", 'output.path="out-two/adapter"')
+    assert code1 == 0 and code2 == 0 and "wrote " in out2, out1 + out2
+    assert completions(tmp_path / "runs/one") == completions(tmp_path / "runs/two")
+    rows = {tag: [json.loads(x) for x in (tmp_path / f"runs/{tag}/metrics.jsonl").read_text().splitlines()]
+            for tag in ("one", "two")}
+    for key in ("train/loss", "distill/teacher_kl_mean", "distill/teacher_kl_p95", "distill/teacher_top1_fraction",
+                "eval/teacher_kl", "eval/top1_agreement"):
+        a = [r[key] for r in rows["one"] if key in r]
+        b = [r[key] for r in rows["two"] if key in r]
+        assert len(a) == len(b) > 0 and all(x == pytest.approx(y, abs=1e-5) for x, y in zip(a, b)), key
 
 
 def test_what_cannot_run_distributed_is_refused_at_once(tmp_path, tiny_model):

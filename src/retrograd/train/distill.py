@@ -23,6 +23,7 @@ from contextlib import nullcontext
 
 import torch
 
+from retrograd import dist
 from retrograd.algorithms.optim import optimizer_step
 from retrograd.algorithms.policy_losses import POLICY_LOSSES
 from retrograd.checkpoint import state as ckpt
@@ -39,8 +40,9 @@ from retrograd.rl.sampler import eos_ids
 from retrograd.train.checkpointing import run_meta
 from retrograd.train.common import StopRequest
 from retrograd.train.grpo import load_reference
-from retrograd.train.policy_update import (build_batch, collate, epoch_backward, policy_metrics, reference_logprobs)
-from retrograd.train.rollouts import CompletionsLog, collect, draw, rollout_metrics
+from retrograd.train.policy_update import (build_batch, collate, epoch_backward, keep_share, policy_metrics,
+                                           reference_logprobs)
+from retrograd.train.rollouts import CompletionsLog, collect, collect_sharded, draw, rollout_metrics
 from retrograd.train.setup import (TrainResult, check_resumable, evaluation_due, finish, lr_for, open_metrics,
                                    record_eval, resolve_resume, restore, save_checkpoint, schedule_state, start_run)
 
@@ -71,7 +73,7 @@ def train_on_policy(cfg, resume: str | None = None, log=print) -> TrainResult:
     sp, G = d.sampling, d.samples_per_prompt
     resume_path = resolve_resume(cfg, resume)
     run = start_run(cfg, log, CPU_PASS_TOKENS)
-    model, tok = run.model, run.tokenizer
+    model, tok, world, log = run.model, run.tokenizer, run.world, run.log
 
     # ---- data, teacher, loss ---------------------------------------------------------------------
     prompts = load_prompts(d.prompts, tok, tr.ctx, sp.max_new_tokens, d.template_variables, cut_answers=True)
@@ -101,12 +103,14 @@ def train_on_policy(cfg, resume: str | None = None, log=print) -> TrainResult:
         log(f"resumed from {resume_path} at step {progress['step']} (epoch {progress['epoch']}, "
             f"row {progress['cursor']} of {len(prompts)})")
     metrics = open_metrics(run, total, progress)
-    completions_log = CompletionsLog(run.run_dir, progress["step"], d.log_completions_every)
+    completions_log = CompletionsLog(run.run_dir, progress["step"], d.log_completions_every) if world.main else None
     log(f"training {total} steps of {d.prompts_per_update} prompts x {G} samples distilled from {d.teacher_path}; "
         f"run folder {run.run_dir}")
 
-    def evaluate() -> dict:
-        return evaluate_against_teacher(model, tok, teacher, eval_prompts, sp, eos)
+    def evaluate() -> dict:  # under torchrun each rank answers its share; means weighted by positions
+        m, positions = evaluate_against_teacher(model, tok, teacher, dist.shard(eval_prompts, world), sp, eos,
+                                                with_count=True)
+        return dist.reduce_metrics(m, positions, set())
 
     stopped_by, last_eval = "done", None
     if ev is not None and progress["step"] == 0:
@@ -126,7 +130,10 @@ def train_on_policy(cfg, resume: str | None = None, log=print) -> TrainResult:
             lr = lr_for(run, update, total)
 
             # ---- 1. the student samples ---------------------------------------------------------
-            rollouts = collect(model, tok, batch, prompts, [], sp, G, eos, update)
+            if world.distributed:  # each rank samples its share of the groups; all get the whole update
+                rollouts = collect_sharded(model, tok, batch, [], sp, G, eos, update, world)
+            else:
+                rollouts = collect(model, tok, batch, prompts, [], sp, G, eos, update)
             samples = rollouts.samples
             live = [i for i in range(len(samples.completion_ids)) if not (d.mask_truncated and samples.truncated[i])]
             step_metrics = {k: v for k, v in rollout_metrics(rollouts, torch.zeros(len(batch), dtype=torch.bool))
@@ -141,6 +148,9 @@ def train_on_policy(cfg, resume: str | None = None, log=print) -> TrainResult:
                                            torch.zeros(len(seqs), width, dtype=torch.float64),
                                            [samples.behaviour_logprobs[i] for i in live], run.pass_tokens,
                                            "token", sp.max_new_tokens, tok.pad_token_id, run.device)
+                update_batch = keep_share(update_batch, world)  # under torchrun: this rank's passes
+                mine = torch.zeros(len(seqs), dtype=torch.bool)  # the rows this rank scores and trains
+                mine[[j for idx in update_batch.passes for j in idx]] = True
                 with attention_for_length(model, max(len(q) + len(c) for q, c in seqs)):
                     # ---- 2. the teacher scores every sampled token: the per-token advantage ------------
                     # against the student's log-probs: the sampler's own when it sampled the plain
@@ -154,12 +164,17 @@ def train_on_policy(cfg, resume: str | None = None, log=print) -> TrainResult:
                         for k, lp in reference_logprobs(scorer, update_batch).items():
                             student_lp[torch.tensor(update_batch.passes[k])] = lp.float().cpu()
                             update_batch.old[k], update_batch.is_weights[k] = lp, torch.ones_like(lp)
-                    gap = (teacher_lp - student_lp)[mask]  # log p_T - log p_S on the sampled tokens
+                    gap = (teacher_lp - student_lp)[mine][mask[mine]]  # log p_T - log p_S on the sampled tokens
+                    first = teacher_first[mine][mask[mine]]
+                    if world.distributed:  # every rank's tokens: the metrics one process reports
+                        parts = dist.gather_objects((gap, first))
+                        gap, first = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
                     advantages = torch.where(mask, (teacher_lp - student_lp).clamp(-d.weight_clip, d.weight_clip), 0.0)
                     update_batch.advantages = advantages.double().to(run.device)
                     step_metrics.update(distill_metrics(gap, d.weight_clip))
-                    step_metrics["distill/teacher_top1_fraction"] = float(teacher_first[mask].double().mean())
-                    completions_log.write(update + 1, rollouts, torch.zeros(len(samples.completion_ids)))
+                    step_metrics["distill/teacher_top1_fraction"] = float(first.double().mean())
+                    if completions_log is not None:
+                        completions_log.write(update + 1, rollouts, torch.zeros(len(samples.completion_ids)))
                     # ---- 3. distill_epochs steps of the surrogate (+ KL toward the base) ----------------
                     ref = None
                     if d.kl_coefficient > 0:  # [reference], or the policy with its adapter disabled
@@ -169,6 +184,10 @@ def train_on_policy(cfg, resume: str | None = None, log=print) -> TrainResult:
                     for epoch in range(d.distill_epochs):
                         loss, st = epoch_backward(scorer, update_batch, loss_fn, loss_params, ref_logp=ref,
                                                   beta=d.kl_coefficient)
+                        if world.distributed:  # every rank's passes, summed: one process's gradient and loss
+                            dist.sum_gradients(run.params)
+                            parts = dist.gather_objects((loss, [{k: float(v) for k, v in x.items()} for x in st]))
+                            loss, st = sum(p[0] for p in parts), [x for p in parts for x in p[1]]
                         grad_norms.append(optimizer_step(run.optimizer, run.params, tr.max_grad_norm))
                         loss_total += loss / d.distill_epochs
                         stats += st
@@ -199,13 +218,14 @@ def train_on_policy(cfg, resume: str | None = None, log=print) -> TrainResult:
                     save_checkpoint(run, "best.state", progress, meta)
                 if ev.patience and progress["stale_evals"] >= ev.patience and step < total:
                     stopped_by = "patience"
-            if stop.signal is not None:
+            if dist.any_rank(stop.signal is not None):  # every rank stops at the same update
                 stopped_by = "signal"
             if ck is not None and ((ck.every_steps and step % ck.every_steps == 0) or stopped_by == "signal"):
                 save_checkpoint(run, ckpt.step_name(step), progress, meta)
             if stopped_by != "done":
                 break
-    completions_log.close()
+    if completions_log is not None:
+        completions_log.close()
     return finish(run, metrics, progress, stopped_by, stop.exit_code, last_eval)
 
 
@@ -236,9 +256,11 @@ def teacher_scores(teacher: Scorer, batch) -> tuple[torch.Tensor, torch.Tensor]:
     return lp, top1
 
 
-def evaluate_against_teacher(model, tok, teacher: Scorer, prompts: list, sp, eos, chunk: int = 16) -> dict:
+def evaluate_against_teacher(model, tok, teacher: Scorer, prompts: list, sp, eos, chunk: int = 16,
+                             with_count: bool = False):
     """The student's greedy completions of `prompts`; at each of their positions the exact
-    KL(p_student || p_teacher) over the vocabulary and whether both put the same token first."""
+    KL(p_student || p_teacher) over the vocabulary and whether both put the same token first.
+    `with_count`: (metrics, the number of positions they average over)."""
     was_training = model.training
     model.eval()
     student, kls, same = Scorer(model), [], []
@@ -251,5 +273,8 @@ def evaluate_against_teacher(model, tok, teacher: Scorer, prompts: list, sp, eos
         kls.append(kl)
         same.append(agree)
     model.train(was_training)
+    if not kls:  # a rank without evaluation prompts
+        return ({}, 0) if with_count else {}
     kl, agree = torch.cat(kls), torch.cat(same)
-    return {"eval/teacher_kl": float(kl.mean()), "eval/top1_agreement": float(agree.double().mean())}
+    out = {"eval/teacher_kl": float(kl.mean()), "eval/top1_agreement": float(agree.double().mean())}
+    return (out, kl.numel()) if with_count else out
