@@ -35,8 +35,9 @@ import torch
 
 from retrograd.errors import ConfigError
 
-# algorithms whose loop runs data-parallel today (PPO stays single-process: its critic trains beside the policy)
-DATA_PARALLEL_ALGORITHMS = ("sft", "preference", "distill-offline", "grpo", "distill")
+# algorithms that run on several processes (PPO shares its rollouts and evaluation; every rank computes the
+# whole update, as its critic and the batch whitening need every rollout)
+DATA_PARALLEL_ALGORITHMS = ("sft", "preference", "distill-offline", "grpo", "distill", "ppo")
 GRAD_BUCKET_ELEMENTS = 1 << 24  # 64 MB of fp32 per all-reduce message for a full fine-tune
 
 
@@ -80,6 +81,8 @@ def single_process_keys(cfg) -> list[str]:
         out.append("[grpo.dynamic_sampling]")
     if g is not None and g.judge is not None:
         out.append("[grpo.judge]")
+    if cfg.ppo is not None and cfg.ppo.judge is not None:
+        out.append("[ppo.judge]")
     if cfg.backpressure is not None and cfg.backpressure.enabled:
         out.append("[backpressure]")
     return out

@@ -149,10 +149,25 @@ def test_on_policy_distillation_two_ranks_match_one_process(tmp_path, tiny_model
         assert len(a) == len(b) > 0 and all(x == pytest.approx(y, abs=1e-5) for x, y in zip(a, b)), key
 
 
+def test_ppo_two_ranks_share_the_rollouts_and_match_one_process(tmp_path, tiny_model):
+    cfg = write_ppo_run(tmp_path, tiny_model, "[evaluation]\ndata = \"prompts.jsonl\"\nmax_examples = 5\n", updates=3)
+    code1, out1 = run(tmp_path, cfg, "--set", 'run.directory="runs/one"', "--set", 'output.path="out-one/adapter"',
+                      nproc=1)
+    code2, out2 = run(tmp_path, cfg, "--set", 'run.directory="runs/two"', "--set", 'output.path="out-two/adapter"')
+    assert code1 == 0 and code2 == 0 and "wrote " in out2, out1 + out2
+    assert completions(tmp_path / "runs/one") == completions(tmp_path / "runs/two")
+    rows = {tag: [json.loads(x) for x in (tmp_path / f"runs/{tag}/metrics.jsonl").read_text().splitlines()]
+            for tag in ("one", "two")}
+    for key in ("train/loss", "policy/value_loss", "critic/value_mean", "eval/mean_reward"):
+        a = [r[key] for r in rows["one"] if key in r]
+        b = [r[key] for r in rows["two"] if key in r]
+        assert len(a) == len(b) > 0 and all(x == pytest.approx(y, abs=1e-5) for x, y in zip(a, b)), key
+
+
 def test_what_cannot_run_distributed_is_refused_at_once(tmp_path, tiny_model):
-    ppo = write_ppo_run(tmp_path, tiny_model)
-    code, out = run(tmp_path, ppo, timeout=120)
-    assert code != 0 and "run.algorithm = 'ppo' runs in one process in this version" in out, out
+    bp = write_grpo_run(tmp_path, tiny_model, "[backpressure]\nenabled = true\n", name="bp.toml")
+    code, out = run(tmp_path, bp, timeout=120)
+    assert code != 0 and "[backpressure] runs on one process in this version" in out, out
     grpo = write_grpo_run(tmp_path, tiny_model, "[grpo.dynamic_sampling]\nmax_resample_factor = 2\n")
     code, out = run(tmp_path, grpo, timeout=120)
     assert code != 0 and "[grpo.dynamic_sampling] runs on one process in this version" in out, out

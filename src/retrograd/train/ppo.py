@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from retrograd import dist
 from retrograd.algorithms.gae import gae, terminal_rewards, whiten
 from retrograd.algorithms.optim import optimizer_step
 from retrograd.algorithms.policy_losses import POLICY_LOSSES
@@ -39,7 +40,7 @@ from retrograd.train.checkpointing import run_meta
 from retrograd.train.common import StopRequest
 from retrograd.train.critic import Critic, ModelCritic
 from retrograd.train.policy_update import build_batch, epoch_backward, policy_metrics, score_old_policy
-from retrograd.train.rollouts import CompletionsLog, collect, greedy_rewards, rollout_metrics
+from retrograd.train.rollouts import CompletionsLog, collect, collect_sharded, greedy_rewards, rollout_metrics
 from retrograd.train.setup import (TrainResult, check_resumable, evaluation_due, finish, lr_for, open_metrics,
                                    record_eval, resolve_resume, restore, save_checkpoint, schedule_state, start_run)
 
@@ -52,7 +53,7 @@ def train_ppo(cfg, resume: str | None = None, log=print) -> TrainResult:
     sp, critic_cfg, base = p.sampling, p.critic, Path(cfg.source).parent
     resume_path = resolve_resume(cfg, resume)
     run = start_run(cfg, log, CPU_PASS_TOKENS)
-    model, tok = run.model, run.tokenizer
+    model, tok, world, log = run.model, run.tokenizer, run.world, run.log
 
     # ---- data, rewards, loss, critic -------------------------------------------------------------
     prompts = load_prompts(p.prompts, tok, tr.ctx, sp.max_new_tokens, p.template_variables)
@@ -96,13 +97,14 @@ def train_ppo(cfg, resume: str | None = None, log=print) -> TrainResult:
         log(f"resumed from {resume_path} at step {progress['step']} (epoch {progress['epoch']}, "
             f"row {progress['cursor']} of {len(prompts)})")
     metrics = open_metrics(run, total, progress)
-    completions_log = CompletionsLog(run.run_dir, progress["step"], p.log_completions_every)
+    completions_log = CompletionsLog(run.run_dir, progress["step"], p.log_completions_every) if world.main else None
     log(f"training {total} steps of {p.rollout_batch_size} rollouts (<= {sp.max_new_tokens} tokens), "
         f"{'GAE with a ' + critic_cfg.critic + ' critic' if critic else 'whitened rewards, no critic'}; "
         f"run folder {run.run_dir}")
 
-    def evaluate() -> dict:
-        r = greedy_rewards(model, tok, eval_prompts, rewards, sp, eos, p.overlong_penalty)
+    def evaluate() -> dict:  # under torchrun each rank answers its share of the prompts
+        mine = dist.shard(eval_prompts, world)
+        r = dist.reduce_metrics(greedy_rewards(model, tok, mine, rewards, sp, eos, p.overlong_penalty), len(mine), set())
         return {"eval/mean_reward": r.pop("mean_reward"), **{f"eval/reward/{k}": v for k, v in r.items()}}
 
     def save(name: str) -> None:
@@ -126,8 +128,12 @@ def train_ppo(cfg, resume: str | None = None, log=print) -> TrainResult:
             lr = lr_for(run, update, total)
 
             # ---- 1. sample and score -----------------------------------------------------------
-            rollouts = collect(model, tok, batch, prompts, rewards, sp, 1, eos, update, overlong=p.overlong_penalty,
-                               judge=judge)
+            if world.distributed:  # each rank samples its share; every rank then holds (and trains on) them all
+                rollouts = collect_sharded(model, tok, batch, rewards, sp, 1, eos, update, world,
+                                           overlong=p.overlong_penalty)
+            else:
+                rollouts = collect(model, tok, batch, prompts, rewards, sp, 1, eos, update, overlong=p.overlong_penalty,
+                                   judge=judge)
             samples = rollouts.samples
             failed = rollouts.judge_failed
             live = [i for i in range(len(samples.completion_ids)) if not (p.mask_truncated and samples.truncated[i])
@@ -163,7 +169,8 @@ def train_ppo(cfg, resume: str | None = None, log=print) -> TrainResult:
                     update_batch.advantages = advantages.to(run.device)
                     per_completion = torch.zeros(len(samples.completion_ids), dtype=torch.float64)
                     per_completion[torch.tensor(live)] = advantages.sum(1) / lengths  # its tokens' mean
-                    completions_log.write(update + 1, rollouts, per_completion)
+                    if completions_log is not None:
+                        completions_log.write(update + 1, rollouts, per_completion)
 
                     # ---- 3. ppo_epochs optimizer steps on the same rollouts ---------------------------------
                     loss_total, stats = 0.0, []
@@ -171,6 +178,9 @@ def train_ppo(cfg, resume: str | None = None, log=print) -> TrainResult:
                         loss, st = epoch_backward(scorer, update_batch, loss_fn, loss_params,
                                                   ref_logp=update_batch.old if p.kl_coefficient > 0 else None,
                                                   beta=p.kl_coefficient)
+                        # under torchrun every rank computed the whole update: averaging the (equal)
+                        # gradients keeps the replicas in step even where kernels are not deterministic
+                        dist.all_reduce_gradients(run.params, 1.0)
                         grad_norms.append(optimizer_step(run.optimizer, run.params, tr.max_grad_norm))
                         loss_total += loss / p.ppo_epochs
                         stats += st
@@ -208,13 +218,14 @@ def train_ppo(cfg, resume: str | None = None, log=print) -> TrainResult:
                     stopped_by = "patience"
 
             # ---- checkpoints, stop requests -----------------------------------------------------------
-            if stop.signal is not None:
+            if dist.any_rank(stop.signal is not None):  # every rank stops at the same update
                 stopped_by = "signal"
             if ck is not None and ((ck.every_steps and step % ck.every_steps == 0) or stopped_by == "signal"):
                 save(ckpt.step_name(step))
             if stopped_by != "done":
                 break
-    completions_log.close()
+    if completions_log is not None:
+        completions_log.close()
     for r in rewards:
         if hasattr(r.fn, "close"):
             r.fn.close()
