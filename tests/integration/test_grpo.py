@@ -34,7 +34,8 @@ def test_full_fine_tune_learns_the_reward(tmp_path, tiny_model, cli, dtype, mode
     cli("train", cfg, check=0)
     r = [x["reward/mean"] for x in rows(tmp_path) if "reward/mean" in x]
     assert len(r) == 30 and sum(r[-5:]) / 5 > sum(r[:5]) / 5 + 0.3
-    last = rows(tmp_path)[-1]
+    # the last update that trained (once every completion earns the full reward, groups carry no signal)
+    last = [x for x in rows(tmp_path) if "policy/ratio_mean" in x][-1]
     for key in ("policy/clip_fraction", "policy/entropy", "completions/mean_length", "completions/truncation_fraction",
                 "batch/zero_std_group_fraction", "time/sampling_s", "time/reward_s", "time/training_s",
                 "reward/tiny_rewards:share_of_lowercase/mean", "system/sampling_tokens_per_second"):
@@ -139,7 +140,8 @@ def test_dynamic_sampling_replaces_groups_without_signal_with_new_prompts(tmp_pa
     first = [r["prompt"] for r in logged if r["step"] == 1]
     assert len(first) == 8 and len(set(first)) == 2 and not {"red", "green"} & set(first)
     step1 = [r for r in rows(tmp_path) if "batch/groups_sampled" in r][0]
-    assert step1["batch/groups_sampled"] == 4 and step1["batch/zero_std_group_fraction"] == 0
+    # 2 groups drawn, then replacements until 2 have signal (a replacement can itself come out flat)
+    assert step1["batch/groups_sampled"] >= 4 and step1["batch/zero_std_group_fraction"] == 0
     assert step1["train/tokens"] > 0  # the update trained on the replacements
     before = log.read_text()
     shutil.rmtree(tmp_path / "runs")
