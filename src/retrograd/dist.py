@@ -102,9 +102,6 @@ def resolve_strategy(requested: str, trainable: str, size: int, algorithm: str, 
         raise ConfigError(f"{source}: launched with {size} processes but distributed.strategy = 'none'; set "
                           "strategy = 'auto' (or 'ddp'), or run one process")
     if requested == "fsdp2":
-        if trainable != "full":
-            raise ConfigError(f"{source}: distributed.strategy = 'fsdp2' shards a full fine-tune; a LoRA's base is "
-                              "frozen and its adapter small: use 'ddp' (or 'auto')")
         if algorithm not in FSDP2_ALGORITHMS:
             raise ConfigError(f"{source}: distributed.strategy = 'fsdp2' runs {', '.join(FSDP2_ALGORITHMS)} in this "
                               f"version, not run.algorithm = {algorithm!r}; use 'ddp' (or 'auto')")
@@ -272,8 +269,14 @@ def shard(rows: list, world: World | None = None) -> list:
 # step's weight (so the mean is all_reduce_gradients' weighted sum). FSDP2's collectives run inside every forward and
 # backward, so every rank must run as many passes as the others: pad_passes adds zero-weight ones.
 
+def sharded_root(model):
+    """The module fully_shard wraps as the root: the transformers model (inside a PEFT wrapper for a LoRA)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def shard_model(model, device_type: str, mixed_precision: str = "none") -> None:
-    """fully_shard each decoder layer, then the root (embeddings, final norm, head). mixed_precision
+    """fully_shard each decoder layer, then the root (embeddings, final norm, head); a LoRA's adapter
+    weights are sharded with the frozen layer they sit in (a base too big for one device). mixed_precision
     "bf16": the gathered weights compute in bfloat16, gradients are reduced in float32, and the sharded
     weights the optimizer steps stay float32."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -281,16 +284,17 @@ def shard_model(model, device_type: str, mixed_precision: str = "none") -> None:
     mesh = init_device_mesh(device_type, (_world.size,))
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if mixed_precision == "bf16" else MixedPrecisionPolicy())
-    decoder = getattr(model, model.base_model_prefix)
+    root = sharded_root(model)
+    decoder = getattr(root, root.base_model_prefix)
     for layer in decoder.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     # gradients reduce-scattered as a mean over ranks (gloo has no pre-scaled sum)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    fully_shard(root, mesh=mesh, mp_policy=policy)
 
 
 def is_sharded(model) -> bool:
     from torch.distributed.fsdp import FSDPModule
-    return isinstance(model, FSDPModule)
+    return isinstance(sharded_root(model), FSDPModule)
 
 
 def sum_value(value: float) -> float:
@@ -312,7 +316,7 @@ class ForwardCount:
     def __enter__(self):
         def hook(*_):
             self.count += 1
-        self.handle = self.model.register_forward_pre_hook(hook)
+        self.handle = sharded_root(self.model).register_forward_pre_hook(hook)
         return self
 
     def __exit__(self, *exc):
@@ -328,16 +332,25 @@ def pad_passes(model, done: int, pad_id: int, device) -> None:
     t = torch.tensor([done], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     for _ in range(int(t) - done):
-        out = model(input_ids=torch.tensor([[pad_id]], device=device), use_cache=False).logits
+        out = sharded_root(model)(input_ids=torch.tensor([[pad_id]], device=device), use_cache=False).logits
         (out.float().sum() * 0.0).backward()
 
 
+def _trainable_state(model, **options) -> dict:
+    """get_model_state_dict restricted to the trainable tensors (a LoRA's adapter, not its frozen base);
+    dcp.load refuses a checkpoint that lacks one of them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    state = get_model_state_dict(model, options=StateDictOptions(**options))
+    return {k: v for k, v in state.items() if k in trainable}
+
+
 def save_sharded(model, optimizer, folder) -> None:
-    """Every rank writes its shards of the weights and the optimizer state into `folder` (torch's
-    distributed checkpoint: .metadata + one __R_0.distcp per rank); a collective."""
+    """Every rank writes its shards of the trainable weights and the optimizer state into `folder`
+    (torch's distributed checkpoint: .metadata + one __R_0.distcp per rank); a collective."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)},
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    dcp.save({"model": _trainable_state(model), "optim": get_optimizer_state_dict(model, optimizer)},
              checkpoint_id=str(folder))
 
 
@@ -346,17 +359,24 @@ def load_sharded(model, optimizer, folder) -> None:
     number of ranks, one process included: the shards are re-cut to the current layout."""
     import warnings
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
-    state = {"model": get_model_state_dict(model)}
+    state = {"model": _trainable_state(model)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     with warnings.catch_warnings():  # one process reading a sharded checkpoint is intended here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(folder))
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
+
+
+def gather_trainable(model) -> dict | None:
+    """The whole trainable tensors (a LoRA's adapter) of a sharded model, by parameter name, on rank 0
+    (None on the others); a collective."""
+    full = _trainable_state(model, full_state_dict=True, cpu_offload=True)
+    return full if _world.main else None
 
 
 def gather_full_model(model):

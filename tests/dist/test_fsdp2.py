@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dist_util import CKPT, LONG_CKPT, launch, rank_pid, run, run_cli, train_losses, wait_for
-from tiny import write_pref_run, write_run
+from dist_util import CKPT, LONG_CKPT, adapter, launch, rank_pid, run, run_cli, train_losses, wait_for
+from tiny import write_grpo_run, write_pref_run, write_run
 
 
 def full_config(tmp_path: Path, tiny_model: Path, extra: str, steps: int, rows: int = 22) -> Path:
@@ -97,7 +97,7 @@ def test_killed_rank_resumes_bit_exact_and_another_world_size_re_cuts(tmp_path, 
     assert code != 0 and "an fsdp2 run resumes only its own sharded checkpoints" in out, out
 
 
-def test_dpo_full_sharded_matches_one_process_and_lora_is_refused(tmp_path, tiny_model):
+def test_dpo_full_sharded_matches_one_process_and_grpo_is_refused(tmp_path, tiny_model):
     cfg = write_pref_run(tmp_path, tiny_model, '[training]\ntrainable = "full"\nlr = 0.001\n', steps=3)
     text = cfg.read_text()
     cfg.write_text(text[:text.index("[lora]")] + text[text.index("[training]"):])
@@ -108,6 +108,33 @@ def test_dpo_full_sharded_matches_one_process_and_lora_is_refused(tmp_path, tiny
     assert sorted(one) == sorted(two) == [1, 2, 3]
     for step in one:
         assert two[step] == pytest.approx(one[step], abs=1e-5), step
-    lora = write_run(tmp_path, tiny_model, '[distributed]\nstrategy = "fsdp2"\n', steps=2)
-    code, out = run(tmp_path, lora, timeout=120)
-    assert code != 0 and "'fsdp2' shards a full fine-tune" in out, out
+    grpo = write_grpo_run(tmp_path, tiny_model, '[distributed]\nstrategy = "fsdp2"\n')
+    code, out = run(tmp_path, grpo, timeout=120)
+    assert code != 0 and "'fsdp2' runs sft, preference in this version, not run.algorithm = 'grpo'" in out, out
+
+
+def test_lora_over_a_sharded_base_matches_one_process_resumes_and_exports(tmp_path, tiny_model):
+    # fsdp2 with a LoRA: the frozen base sharded too (a base too big for one device); the checkpoint
+    # holds the adapter and its optimizer state only
+    cfg = write_run(tmp_path, tiny_model, '[lora]\ndropout = 0.0\n[distributed]\nstrategy = "fsdp2"\n' + CKPT, steps=4,
+                    train_rows=22)
+    code1, out1 = run(tmp_path, cfg, *sets("one"), nproc=1)
+    code2, out2 = run(tmp_path, cfg, *sets("two"))
+    assert code1 == 0 and code2 == 0 and "(fsdp2)" in out2 and "wrote " in out2, out1 + out2
+    one, two = train_losses(tmp_path / "runs/one"), train_losses(tmp_path / "runs/two")
+    assert all(two[s] == pytest.approx(one[s], abs=1e-5) for s in one) and sorted(one) == sorted(two)
+    a, b = adapter(tmp_path / "out-one"), adapter(tmp_path / "out-two")
+    assert set(a) == set(b) and all(torch.allclose(a[k], b[k], atol=2e-4) for k in a)
+    step2 = tmp_path / "ckpt-two" / "step-000000000002.state"
+    names = set(json.loads((step2 / "manifest.json").read_text())["files"])
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= names and not any(n.endswith(".gguf") for n in names)
+    code, out = run(tmp_path, cfg, *sets("resumed"), "--resume", step2)
+    assert code == 0 and "wrote " in out, out
+    resumed = adapter(tmp_path / "out-resumed")
+    assert all(torch.equal(resumed[k], b[k]) for k in b)
+    for tag in ("one", "two"):
+        code, out = run_cli(tmp_path, "export", tmp_path / f"ckpt-{tag}" / "step-000000000004.state", "--format", "peft",
+                            "--out", tmp_path / f"exported-{tag}")
+        assert code == 0, out
+    e1, e2 = adapter(tmp_path / "exported-one"), adapter(tmp_path / "exported-two")
+    assert set(e1) == set(e2) and all(torch.allclose(e1[k], e2[k], atol=2e-4) for k in e1)

@@ -47,7 +47,7 @@ class Scorer:
         transforms = any(getattr(base.config, k, None) not in (None, 1.0) for k in _LOGIT_TRANSFORMS)
         # a sharded (FSDP2) model gathers its weights inside its own forward only: score through it
         from retrograd.dist import is_sharded
-        self.fused = plain_head and not transforms and not is_sharded(model)
+        self.fused = plain_head and not transforms and not is_sharded(base)
 
     # ---- the two forwards ------------------------------------------------------------------------
     def hidden(self, batch: dict) -> torch.Tensor:

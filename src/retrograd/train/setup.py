@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from retrograd import dist
 from retrograd.algorithms.optim import build_optimizer
 from retrograd.algorithms.schedule import lr_at
@@ -201,8 +203,12 @@ def start_run(cfg, log, cpu_pass_tokens: int = 512) -> Run:
         if warning:
             log(warning)
     cfg, loaded, model, modules = prepare_model(cfg, log)
-    gguf_copies = tr.trainable == "lora" and ck is not None and model.config.model_type in GGUF_ARCHS
-    if tr.trainable == "lora" and ck is not None and not gguf_copies:
+    gguf_copies = (tr.trainable == "lora" and ck is not None and model.config.model_type in GGUF_ARCHS
+                   and world.strategy != "fsdp2")  # a sharded adapter is whole only in `retrograd export`
+    if tr.trainable == "lora" and ck is not None and world.strategy == "fsdp2":
+        log("note: no .gguf copies beside fsdp2 checkpoints (the adapter is sharded); "
+            "`retrograd export STEP.state --format gguf` writes one")
+    elif tr.trainable == "lora" and ck is not None and not gguf_copies:
         log(f"note: no .gguf copies beside checkpoints: llama.cpp adapters are written for "
             f"{', '.join(GGUF_ARCHS)} models, not {model.config.model_type!r}")
     model.to(device).train()
@@ -352,7 +358,18 @@ def finish(run: Run, metrics: MetricsLogger, progress: dict, stopped_by: str, ex
     elif stopped_by == "signal":
         metrics.print(f"stopped at step {step}" + ("; continue with --resume" if cfg.checkpoint else ""))
     out = Path(cfg.output.path)
-    model = dist.gather_full_model(run.model) if run.world.strategy == "fsdp2" else run.model
+    model = run.model
+    if run.world.strategy == "fsdp2" and cfg.training.trainable == "lora":
+        # the adapter gathered whole, into a fresh copy of the base on rank 0: every output kind as usual
+        adapter = dist.gather_trainable(run.model)
+        if run.world.main:
+            _, _, model, _ = prepare_model(cfg, _silent)
+            params = dict(model.named_parameters())
+            with torch.no_grad():
+                for name, tensor in adapter.items():
+                    params[name].copy_(tensor)
+    elif run.world.strategy == "fsdp2":
+        model = dist.gather_full_model(run.model)
     if run.world.main:
         out = save_output(model, run.tokenizer, cfg)
     metrics.print(f"wrote {out}")
