@@ -176,3 +176,6 @@ def test_what_cannot_run_distributed_is_refused_at_once(tmp_path, tiny_model):
     assert code != 0 and "launched with 2 processes but distributed.strategy = 'none'" in out, out
     code, out = run(tmp_path, sft, "--nproc", "0", nproc=1)
     assert code == 2 and "--nproc 0" in out
+    # a config error is told once, before torchrun starts any process
+    code, out = run(tmp_path, sft, "--set", "training.lr=-1", timeout=120)
+    assert code == 2 and out.count("error:") == 1 and "training.lr" in out and "ChildFailedError" not in out, out

@@ -218,8 +218,6 @@ def _train(args, argv: list[str]) -> int:
             print("error: --nproc starts torchrun; this process already runs under torchrun (WORLD_SIZE is set): "
                   "drop --nproc", file=sys.stderr)
             return 2
-        if args.nproc > 1:
-            return _launch_torchrun(args.nproc, argv)
     from retrograd.config import load_config
     overrides = list(args.overrides)
     if args.model:
@@ -228,7 +226,9 @@ def _train(args, argv: list[str]) -> int:
         overrides.append(f"model.device={json.dumps(args.device)}")
     if args.threads:
         overrides.append(f"training.threads={args.threads}")
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides)  # a config error is told once, before any process starts
+    if args.nproc is not None and args.nproc > 1:
+        return _launch_torchrun(args.nproc, argv)
     if cfg.run.algorithm == "preference":
         from retrograd.train.preference import train_preference as train
     elif cfg.run.algorithm == "grpo":
