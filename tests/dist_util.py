@@ -77,3 +77,28 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 180) -> None:
 def completions(run_dir: Path) -> list[tuple]:
     rows = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
     return [(r["step"], r["prompt"], r["completion"], r["reward"]) for r in rows]
+
+
+def assert_same_metrics(tmp_path: Path, keys: tuple[str, ...], tags: tuple[str, str] = ("one", "two")) -> None:
+    """Every logged value of `keys` in runs/<tag>/metrics.jsonl equal between the two runs to 1e-5."""
+    import pytest
+    rows = {tag: [json.loads(x) for x in (tmp_path / f"runs/{tag}/metrics.jsonl").read_text().splitlines()]
+            for tag in tags}
+    for key in keys:
+        a = [r[key] for r in rows[tags[0]] if key in r]
+        b = [r[key] for r in rows[tags[1]] if key in r]
+        assert len(a) == len(b) > 0 and all(x == pytest.approx(y, abs=1e-5) for x, y in zip(a, b)), key
+
+
+def kill_a_rank_then_resume(cwd: Path, cfg: Path, sets: list[str], checkpoint: Path) -> str:
+    """Launch on 2 ranks, SIGKILL rank 1 once `checkpoint` is complete, check torchrun stops the other
+    rank without writing an output, then --resume; returns the resumed run's output."""
+    import signal
+    p = launch(cwd, cfg, *sets)
+    wait_for(checkpoint, p)
+    os.kill(rank_pid(p, 1), signal.SIGKILL)
+    out, _ = p.communicate(timeout=90)
+    assert p.returncode != 0 and "wrote " not in out
+    code, out = run(cwd, cfg, *sets, "--resume")
+    assert code == 0 and "resumed from" in out and "wrote " in out, out
+    return out

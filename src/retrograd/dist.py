@@ -182,6 +182,16 @@ def sum_gradients(params: list[torch.nn.Parameter]) -> None:
         _sum_scaled(params, 1.0)
 
 
+def sum_epoch(params: list[torch.nn.Parameter], loss: float, stats: list[dict]) -> tuple[float, list[dict]]:
+    """After an RL epoch in which each rank backpropagated its share of the passes: the gradients summed,
+    the loss summed and every rank's per-pass statistics, as one process would have them."""
+    if not _world.distributed:
+        return loss, stats
+    sum_gradients(params)
+    parts = gather_objects((loss, [{k: float(v) for k, v in x.items()} for x in stats]))
+    return sum(p[0] for p in parts), [x for p in parts for x in p[1]]
+
+
 def _sum_scaled(params: list[torch.nn.Parameter], scale: float) -> None:
     """grad <- sum over ranks of scale_r x grad_r, in buckets of GRAD_BUCKET_ELEMENTS (one all-reduce each)."""
     import torch.distributed as dist

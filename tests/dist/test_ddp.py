@@ -14,8 +14,8 @@ import signal
 import pytest
 import torch
 
-from dist_util import (CKPT, LONG_CKPT, adapter, completions, launch, overrides, rank_pid, run, run_cli, train_losses,
-                       wait_for)
+from dist_util import (CKPT, LONG_CKPT, adapter, assert_same_metrics, completions, kill_a_rank_then_resume, launch,
+                       overrides, run, run_cli, train_losses, wait_for)
 from tiny import make_teacher_dir, write_distill_run, write_grpo_run, write_ppo_run, write_pref_run, write_run
 
 def test_sft_lora_two_ranks_take_one_process_updates(tmp_path, tiny_model):
@@ -75,13 +75,7 @@ def test_killed_rank_stops_all_sigterm_saves_and_resume_is_exact(tmp_path, tiny_
     straight = adapter(tmp_path / "out-straight/adapter")
 
     # kill -9 one rank: torchrun stops the other (no hang), and the last checkpoint resumes exactly
-    p = launch(tmp_path, cfg, *overrides("killed"))
-    wait_for(tmp_path / "ckpt-killed/step-000000000010.state", p)
-    os.kill(rank_pid(p, 1), signal.SIGKILL)
-    out, _ = p.communicate(timeout=90)
-    assert p.returncode != 0 and "wrote " not in out
-    code, out = run(tmp_path, cfg, *overrides("killed"), "--resume")
-    assert code == 0 and "resumed from" in out and "wrote " in out, out
+    kill_a_rank_then_resume(tmp_path, cfg, overrides("killed"), tmp_path / "ckpt-killed/step-000000000010.state")
     resumed = adapter(tmp_path / "out-killed/adapter")
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
 
@@ -115,12 +109,7 @@ def test_grpo_lora_two_ranks_sample_and_update_as_one_process(tmp_path, tiny_mod
     assert code1 == 0 and code2 == 0 and "wrote " in out2, out1 + out2
     # the same completions, rewards (each group from its own random stream), losses and evaluations
     assert completions(tmp_path / "runs/one") == completions(tmp_path / "runs/two")
-    rows = {tag: [json.loads(x) for x in (tmp_path / f"runs/{tag}/metrics.jsonl").read_text().splitlines()]
-            for tag in ("one", "two")}
-    for key in ("train/loss", "policy/kl", "reward/mean", "eval/mean_reward", "train/tokens"):
-        a = [r[key] for r in rows["one"] if key in r]
-        b = [r[key] for r in rows["two"] if key in r]
-        assert len(a) == len(b) > 0 and all(x == pytest.approx(y, abs=1e-5) for x, y in zip(a, b)), key
+    assert_same_metrics(tmp_path, ("train/loss", "policy/kl", "reward/mean", "eval/mean_reward", "train/tokens"))
     # resumed at update 2 on 2 ranks: the straight 2-rank run's adapter, bit for bit
     code, out = run(tmp_path, cfg, *overrides("two-resumed"),
                     "--resume", tmp_path / "ckpt-two" / "step-000000000002.state")
@@ -140,13 +129,8 @@ def test_on_policy_distillation_two_ranks_match_one_process(tmp_path, tiny_model
     code2, out2 = run(tmp_path, cfg, "--set", 'run.directory="runs/two"', "--set", 'output.path="out-two/adapter"')
     assert code1 == 0 and code2 == 0 and "wrote " in out2, out1 + out2
     assert completions(tmp_path / "runs/one") == completions(tmp_path / "runs/two")
-    rows = {tag: [json.loads(x) for x in (tmp_path / f"runs/{tag}/metrics.jsonl").read_text().splitlines()]
-            for tag in ("one", "two")}
-    for key in ("train/loss", "distill/teacher_kl_mean", "distill/teacher_kl_p95", "distill/teacher_top1_fraction",
-                "eval/teacher_kl", "eval/top1_agreement"):
-        a = [r[key] for r in rows["one"] if key in r]
-        b = [r[key] for r in rows["two"] if key in r]
-        assert len(a) == len(b) > 0 and all(x == pytest.approx(y, abs=1e-5) for x, y in zip(a, b)), key
+    assert_same_metrics(tmp_path, ("train/loss", "distill/teacher_kl_mean", "distill/teacher_kl_p95", "distill/teacher_top1_fraction",
+                "eval/teacher_kl", "eval/top1_agreement"))
 
 
 def test_ppo_two_ranks_share_the_rollouts_and_match_one_process(tmp_path, tiny_model):
@@ -156,12 +140,7 @@ def test_ppo_two_ranks_share_the_rollouts_and_match_one_process(tmp_path, tiny_m
     code2, out2 = run(tmp_path, cfg, "--set", 'run.directory="runs/two"', "--set", 'output.path="out-two/adapter"')
     assert code1 == 0 and code2 == 0 and "wrote " in out2, out1 + out2
     assert completions(tmp_path / "runs/one") == completions(tmp_path / "runs/two")
-    rows = {tag: [json.loads(x) for x in (tmp_path / f"runs/{tag}/metrics.jsonl").read_text().splitlines()]
-            for tag in ("one", "two")}
-    for key in ("train/loss", "policy/value_loss", "critic/value_mean", "eval/mean_reward"):
-        a = [r[key] for r in rows["one"] if key in r]
-        b = [r[key] for r in rows["two"] if key in r]
-        assert len(a) == len(b) > 0 and all(x == pytest.approx(y, abs=1e-5) for x, y in zip(a, b)), key
+    assert_same_metrics(tmp_path, ("train/loss", "policy/value_loss", "critic/value_mean", "eval/mean_reward"))
 
 
 def test_what_cannot_run_distributed_is_refused_at_once(tmp_path, tiny_model):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dist_util import CKPT, LONG_CKPT, adapter, launch, rank_pid, run, run_cli, train_losses, wait_for
+from dist_util import CKPT, LONG_CKPT, adapter, kill_a_rank_then_resume, run, run_cli, train_losses
 from tiny import write_grpo_run, write_pref_run, write_run
 
 
@@ -74,13 +74,7 @@ def test_killed_rank_resumes_bit_exact_and_another_world_size_re_cuts(tmp_path, 
     assert code == 0 and "wrote " in out, out
     straight = weights(tmp_path / "out-straight")
 
-    p = launch(tmp_path, cfg, *sets("killed"))
-    wait_for(tmp_path / "ckpt-killed/step-000000000010.state", p)
-    os.kill(rank_pid(p, 1), signal.SIGKILL)
-    out, _ = p.communicate(timeout=90)
-    assert p.returncode != 0 and "wrote " not in out
-    code, out = run(tmp_path, cfg, *sets("killed"), "--resume")
-    assert code == 0 and "resumed from" in out and "wrote " in out, out
+    kill_a_rank_then_resume(tmp_path, cfg, sets("killed"), tmp_path / "ckpt-killed/step-000000000010.state")
     resumed = weights(tmp_path / "out-killed")
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
 

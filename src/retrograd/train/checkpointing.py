@@ -82,6 +82,22 @@ def check_resumable(path: Path, meta: dict) -> dict:
     return manifest
 
 
+def _load_whole_weights(path: Path, model, device) -> None:
+    """weights.safetensors into the model's trainable parameters, names and shapes checked."""
+    tensors = load_file(str(path / "weights.safetensors"))
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if set(tensors) != set(params):
+        missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
+        raise CheckpointError(f"{path}: its trainable tensors do not match the model "
+                              f"(missing {missing[:3]}, unexpected {extra[:3]})")
+    with torch.no_grad():
+        for n, p in params.items():
+            if tensors[n].shape != p.shape:
+                raise CheckpointError(f"{path}: tensor {n} has shape {tuple(tensors[n].shape)}, "
+                                      f"the model has {tuple(p.shape)}")
+            p.copy_(tensors[n].to(device))
+
+
 def load_training_state(path: Path, model, optimizer, device, rank: int = 0, seed: int = 0) -> tuple[dict, int]:
     """Restore weights, optimizer and this rank's RNGs in place; return (the progress dict, the number of
     processes that saved it). A rank the checkpoint has no random state for is seeded seed + rank.
@@ -94,18 +110,8 @@ def load_training_state(path: Path, model, optimizer, device, rank: int = 0, see
     elif dist.is_sharded(model):
         raise CheckpointError(f"{path} holds the whole model (one process or ddp); an fsdp2 run resumes only "
                               "its own sharded checkpoints: resume with distributed.strategy = 'ddp' (or one process)")
-    tensors = {} if sharded_ckpt else load_file(str(path / "weights.safetensors"))
-    params = {} if sharded_ckpt else {n: p for n, p in model.named_parameters() if p.requires_grad}
-    if set(tensors) != set(params):
-        missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
-        raise CheckpointError(f"{path}: its trainable tensors do not match the model "
-                              f"(missing {missing[:3]}, unexpected {extra[:3]})")
-    with torch.no_grad():
-        for n, p in params.items():
-            if tensors[n].shape != p.shape:
-                raise CheckpointError(f"{path}: tensor {n} has shape {tuple(tensors[n].shape)}, "
-                                      f"the model has {tuple(p.shape)}")
-            p.copy_(tensors[n].to(device))
+    else:
+        _load_whole_weights(path, model, device)
     try:
         if not sharded_ckpt:
             optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))

@@ -184,10 +184,8 @@ def train_on_policy(cfg, resume: str | None = None, log=print) -> TrainResult:
                     for epoch in range(d.distill_epochs):
                         loss, st = epoch_backward(scorer, update_batch, loss_fn, loss_params, ref_logp=ref,
                                                   beta=d.kl_coefficient)
-                        if world.distributed:  # every rank's passes, summed: one process's gradient and loss
-                            dist.sum_gradients(run.params)
-                            parts = dist.gather_objects((loss, [{k: float(v) for k, v in x.items()} for x in st]))
-                            loss, st = sum(p[0] for p in parts), [x for p in parts for x in p[1]]
+                        # under torchrun: every rank's passes summed, one process's gradient and loss
+                        loss, st = dist.sum_epoch(run.params, loss, st)
                         grad_norms.append(optimizer_step(run.optimizer, run.params, tr.max_grad_norm))
                         loss_total += loss / d.distill_epochs
                         stats += st
