@@ -1,63 +1,78 @@
-"""SFT LoRA training throughput and peak memory: retrograd vs TRL's SFTTrainer, side by side.
+"""SFT training throughput, peak memory and matmul efficiency: retrograd vs TRL's SFTTrainer, side by side.
 
-A by-hand benchmark, not a test. It measures, for each framework, training tokens per second
-(steady state: optimizer steps 2 onwards, step 1 is warm-up) and the peak resident memory of the
-process, on the same model, data and settings:
+A by-hand benchmark, not a test. Same model, data and settings on both sides:
 
   model       SmolLM2-135M-Instruct, retrograd's built-in GGUF (Q4_1, de-quantized to fp32 by
-              transformers in both frameworks; TRL loads it with from_pretrained(gguf_file=...))
-  LoRA        r=8, alpha=16, dropout 0, targets q_proj, k_proj, v_proj, o_proj
-  dtype       fp32; gradient checkpointing off
-  batch       4 sequences x 256 tokens per optimizer step, no gradient accumulation. Every synthetic
-              conversation is longer than 256 tokens, so every row is truncated to exactly 256 and
-              nothing is padded. Loss on every token (TRL's SFTTrainer default; retrograd
-              sft.assistant_only_loss = false). Rows in file order in both (no shuffling), so the
-              step-1 losses, taken before any update, should agree.
-  optimizer   AdamW, lr 2e-4 constant, no warm-up, weight decay 0, grad-norm clip 1.0
-  other       2 torch threads, seed 0, STEPS optimizer steps (default 20)
+              transformers on both sides; TRL loads it with from_pretrained(gguf_file=...))
+  --mode lora LoRA r=8, alpha=16, dropout 0 on q_proj, k_proj, v_proj, o_proj; lr 2e-4
+  --mode full every weight trained (retrograd [training] trainable = "full", no [lora]; TRL with no
+              peft_config); lr 1e-5
+  batch       4 sequences x 256 tokens per optimizer step, no accumulation. Every synthetic row is
+              longer than 256 tokens, so each is truncated to exactly 256 and nothing is padded. Loss on
+              every token, rows in file order on both sides
+  optimizer   AdamW (betas 0.9/0.999, eps 1e-8), constant lr, no warm-up, weight decay 0, clip 1.0
+  other       fp32, no gradient checkpointing, 2 torch threads, seed 0, --steps optimizer steps (20)
 
-Each framework runs in its own subprocess (`--worker retrograd|trl`), so its peak RSS is its own:
-the parent reads the child's ru_maxrss from os.wait4 and the worker also reports its own peak.
-Before them a `--worker prepare` subprocess fetches the GGUF (once, into $RETROGRAD_HOME) and warms
-retrograd's GGUF -> HF folder conversion cache, so the measured retrograd run loads the model as
-every run after the first does. TRL de-quantizes the GGUF in every run (as in the published
-baseline); "peak RSS after load" in the table shows what loading costs each side.
+Fairness (benchmarks/common.py): each side in its own worker process, interleaved retrograd, TRL,
+retrograd, TRL, ... (--repeats each, default 3) with the load average before each run; the
+median and min-max of each run's steady tokens/s (steps 2+; step 1 is warm-up); peak RSS per
+process. Every step's loss of every run must equal TRL's first run within LOSS_TOL and the same
+side's first run within REPEAT_TOL, or the script stops: the two sides do the same work or no
+number is reported. The matmul FLOPs of one step are counted from the model's shapes
+(common.step_matmul_flops) and "% of machine limit" = FLOPs / steady step seconds / the fp32
+matmul peak measured here before the runs.
+
+Before the runs a prepare worker fetches the model (once, into $RETROGRAD_HOME) and warms
+retrograd's GGUF -> HF folder cache, so every retrograd run loads the model as a second run does;
+TRL de-quantizes the GGUF in every run.
 
 Step timing: TRL from a TrainerCallback (on_step_begin -> on_step_end, which leaves out the
-DataLoader fetch); retrograd from its own metrics.jsonl ("system/step_seconds", which includes
-picking and collating the step's rows, well under a millisecond here).
+DataLoader fetch); retrograd from its own metrics.jsonl ("system/step_seconds").
 
-Run, from the repository root, on an IDLE machine (load average < 2, one benchmark at a time;
-contention from other processes made the same runs 6-9x slower):
+Run from the repository root on an IDLE machine (load average < 2, one benchmark at a time):
 
     pip install -e '.[bench]'          # trl==1.16.0, datasets (do not let pip change torch)
-    python benchmarks/bench_sft.py [--steps 20] [--out bench_out]
+    python benchmarks/bench_sft.py --mode lora [--steps 20] [--repeats 3] [--out benchmarks/results]
+    python benchmarks/bench_sft.py --mode full
+    python benchmarks/bench_sft.py --smoke [--mode full]   # tiny random Llama, ~1 minute, $TMPDIR/bench_out
 
-STEPS can also come from the environment (STEPS=20). It takes about 5-6 minutes on 2 cores
-(model load ~20 s per framework, ~6 s per step each). The parent prints a table and writes
-OUT/result_sft.json: tokens/s and its retrograd/TRL ratio, peak RSS and its ratio, per-step
-seconds and losses, first/last loss, versions and load averages.
+Writes OUT/sft_lora_<timestamp>.json (sft_full_...; sft_lora_smoke_... with --smoke) and prints the
+table benchmarks/report.py renders from it. Also the import home of helpers older scripts
+(bench_grpo.py, bench_distill.py) take from here: they now live in common.py.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
-import resource
-import subprocess
+import re
 import sys
 import tempfile
 import time
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from common import (CHILD_ENV, THREADS, cpu_model, load_trl_model, self_peak_rss_mb,  # noqa: E402,F401
+                    versions, write_json)
+
 BUILTIN = "smollm2-135m-instruct"
-BATCH, SEQ, THREADS, SEED, LR = 4, 256, 2, 0, 2e-4
+BATCH, SEQ, SEED, LR = 4, 256, 0, 2e-4
+LR_BY_MODE = {"lora": 2e-4, "full": 1e-5}
 LORA_R, LORA_ALPHA, LORA_TARGETS = 8, 16, ["q_proj", "k_proj", "v_proj", "o_proj"]
-PACKAGES = ("retrograd", "torch", "transformers", "peft", "trl", "accelerate", "datasets", "gguf")
-CHILD_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TRL_EXPERIMENTAL_SILENCE": "1"}
+MICRO_BATCH = 512  # retrograd's CPU default pass (tokens), written out so the setting is visible
+# Smoke: a tiny random model learns fast only with a larger lr, and a loss that moves is what makes
+# the step-by-step check mean something
+SMOKE = {"seq": 64, "steps": 4, "repeats": 2, "lr": {"lora": 1e-2, "full": 1e-3}}
+# Both sides compute the same fp32 sums in a different order (retrograd's fused, chunked head;
+# 2 passes of 2 rows vs 1 pass of 4): they agreed to 4 decimals over 20 steps of SmolLM2 before.
+# 2e-3 relative leaves room for that drift growing over a longer run, and still fails any
+# difference in data, masking, optimizer or schedule, which moves the loss by 1e-2 or more.
+LOSS_TOL = 2e-3
+# The same side repeats the same arithmetic: on CPU with fixed threads the losses repeat bit for
+# bit (checked in --smoke); 1e-6 allows a last-digit difference and nothing more.
+REPEAT_TOL = 1e-6
+SIDES = ("retrograd", "trl")
 
 
 # ---- synthetic data: deterministic chat rows of ~750 tokens, all longer than SEQ -------------------
@@ -87,118 +102,92 @@ def write_data(path: Path, n_rows: int) -> None:
             f.write(json.dumps(make_row(rng)) + "\n")
 
 
-# ---- helpers shared by parent and workers ----------------------------------------------------------
-
-def self_peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
-def versions() -> dict:
-    out = {"python": platform.python_version()}
-    for p in PACKAGES:
-        try:
-            out[p] = version(p)
-        except PackageNotFoundError:
-            out[p] = None
-    return out
-
-
-def cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    except OSError:
-        return None
-
-
-def write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
-
-
-def load_trl_model(gguf_path: str):
-    """(model, tokenizer) for the TRL side: the GGUF de-quantized to fp32 by transformers."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    gguf = Path(gguf_path)
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    # The weights are de-quantized to plain fp32, but transformers keeps a GGUF quantizer marker and
-    # Trainer then refuses to train ("... quantized with GGUF ... do not support training"). Drop it.
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)
-    for m in model.modules():
-        if getattr(getattr(m, "config", None), "_is_quantized", False):
-            m.config._is_quantized = False
-    return model, tok
-
-
-# ---- workers (each in its own process) ---------------------------------------------------------------
+# ---- workers (each in its own process; s = the run's settings dict) ------------------------------------
 
 def worker_prepare(args) -> dict:
-    """Fetch the built-in GGUF and warm retrograd's conversion cache (not measured)."""
+    """Fetch the built-in GGUF and warm retrograd's conversion cache (not measured). Also what
+    bench_grpo / bench_distill call as their prepare step, with their own args."""
     from retrograd.models.builtin import builtin_gguf
     from retrograd.models.load import load_model
     gguf = builtin_gguf(BUILTIN)
     t = time.perf_counter()
-    load_model(str(gguf), "float32", log=print)
-    return {"gguf": str(gguf), "gguf_bytes": gguf.stat().st_size, "retrograd_load_s": time.perf_counter() - t}
+    loaded = load_model(str(gguf), "float32", log=print)
+    return {"gguf": str(gguf), "gguf_bytes": gguf.stat().st_size, "retrograd_load_s": time.perf_counter() - t,
+            "shape": common.model_shape(loaded.model.config)}
 
 
-def worker_retrograd(args) -> dict:
-    import torch
-    from retrograd.config import load_config
-    from retrograd.train.sft import train_sft
+def prepare(s: dict, work: Path) -> dict:
+    """The model both sides train: the built-in GGUF (warmed), or with smoke a tiny random Llama."""
+    if not s.get("smoke"):
+        out = worker_prepare(None)
+        return {**out, "model": out["gguf"]}
+    from retrograd.models.builtin import builtin_gguf
+    folder = work / "tiny-llama"
+    shape = common.tiny_llama(folder, common.tokenizer_folder(builtin_gguf(BUILTIN)), SEED)
+    return {"model": str(folder), "shape": shape}
 
-    work = Path(args.work)
-    toml = f"""\
-[run]
-algorithm = "sft"
-name = "bench_sft"
-directory = {json.dumps(str(work / "run"))}
 
-[model]
-path = {json.dumps(args.gguf)}
-device = "cpu"
-dtype = "float32"
-
-[output]
-path = {json.dumps(str(work / "adapter"))}
-
+def retrograd_toml(s: dict, work: Path) -> str:
+    lora = s["mode"] == "lora"
+    lora_table = f"""
 [lora]
 rank = {LORA_R}
 alpha = {LORA_ALPHA}
 targets = {json.dumps(LORA_TARGETS)}
 dropout = 0.0
 seed = {SEED}
+""" if lora else ""
+    return f"""\
+[run]
+algorithm = "sft"
+name = "bench_sft"
+directory = {json.dumps(str(work / "run"))}
 
+[model]
+path = {json.dumps(s["model"])}
+device = "cpu"
+dtype = "float32"
+
+[output]
+path = {json.dumps(str(work / ("adapter" if lora else "model")))}
+{lora_table}
 [training]
-trainable = "lora"
-lr = {LR}
+trainable = "{s["mode"]}"
+optimizer = "adamw"
+lr = {s["lr"]}
 lr_scheduler = "constant"
 warmup_steps = 0
 weight_decay = 0.0
+adam_beta1 = 0.9
+adam_beta2 = 0.999
+adam_epsilon = 1e-8
 max_grad_norm = 1.0
-batch_size = {BATCH}
+batch_size = {s["batch"]}
 gradient_accumulation = 1
-ctx = {SEQ}
-max_steps = {args.steps}
+micro_batch = {s["micro_batch"]}
+ctx = {s["seq"]}
+max_steps = {s["steps"]}
 seed = {SEED}
 threads = {THREADS}
 gradient_checkpointing = false
 
 [sft]
-data = {json.dumps(args.data)}
+data = {json.dumps(s["data"])}
 shuffle = false
 assistant_only_loss = false
 
 [metrics]
 log_every = 1
 """
-    (work / "run.toml").write_text(toml, encoding="utf-8")
-    events = []  # (seconds since start, peak RSS so far, message): where the load ends
 
+
+def worker_retrograd(s: dict, work: Path) -> dict:
+    import torch
+    from retrograd.config import load_config
+    from retrograd.train.sft import train_sft
+
+    (work / "run.toml").write_text(retrograd_toml(s, work), encoding="utf-8")
+    events = []  # (seconds since start, peak RSS so far, message): where the load ends
     t0 = time.perf_counter()
 
     def log(msg):
@@ -206,45 +195,56 @@ log_every = 1
                        "msg": str(msg)[:120]})
         print(msg, flush=True)
 
-    cfg = load_config(work / "run.toml")
-    result = train_sft(cfg, log=log)
+    result = train_sft(load_config(work / "run.toml"), log=log)
     wall = time.perf_counter() - t0
-    if result.stopped_by != "done" or result.step != args.steps:
+    if result.stopped_by != "done" or result.step != s["steps"]:
         raise RuntimeError(f"retrograd stopped early: {result}")
     rows = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = [r for r in rows if "train/loss" in r]
-    # the "model ...: N parameters" line comes right after load + LoRA attach
-    after_load = next((e for e in events if e["msg"].startswith("model ")), None)
-    return {
-        "step_s": [r["system/step_seconds"] for r in rows],
-        "step_tokens": [r["train/tokens"] for r in rows],
-        "loss": [r["train/loss"] for r in rows],
-        "step_peak_rss_mb": [r["system/peak_rss_mb"] for r in rows],
-        "peak_rss_after_load_mb": after_load["peak_rss_mb"] if after_load else None,
-        "load_s": after_load["t"] if after_load else None,
-        "wall_s": wall,  # load + data + train + writing the adapter
-        "torch_threads": torch.get_num_threads(),
-        "events": events,
-    }
+    after_load = next((e for e in events if e["msg"].startswith("model ")), None)  # logged after load (+ LoRA)
+    trainable = re.search(r"([\d,]+) trainable", after_load["msg"]) if after_load else None
+    return {"trainable_parameters": int(trainable.group(1).replace(",", "")) if trainable else None,
+            "step_s": [r["system/step_seconds"] for r in rows], "step_tokens": [r["train/tokens"] for r in rows],
+            "loss": [r["train/loss"] for r in rows],
+            "peak_rss_after_load_mb": after_load["peak_rss_mb"] if after_load else None,
+            "load_s": after_load["t"] if after_load else None, "wall_s": wall,
+            "torch_threads": torch.get_num_threads(), "events": events}
 
 
-def worker_trl(args) -> dict:
+def trl_config(s: dict, work: Path):
+    """Every SFTConfig option that changes the work or its speed, set explicitly (TRL 1.16's own
+    defaults differ: gradient_checkpointing=True, bf16 on capable hardware, lr 2e-5, shuffled rows)."""
+    from trl import SFTConfig
+    return SFTConfig(
+        output_dir=str(work / "trl_out"), max_steps=s["steps"], per_device_train_batch_size=s["batch"],
+        gradient_accumulation_steps=1, learning_rate=s["lr"], lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=0.0, max_grad_norm=1.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+        optim="adamw_torch_fused",  # TRL's default; the same AdamW as retrograd's torch.optim.AdamW, fused
+        # data: truncate to SEQ from the start, no packing / padding-free rows, loss on every token
+        max_length=s["seq"], truncation_mode="keep_start", packing=False, padding_free=False,
+        pad_to_multiple_of=None, completion_only_loss=False, assistant_only_loss=False, loss_type="nll",
+        shuffle_dataset=False, train_sampling_strategy="sequential", dataloader_drop_last=False,
+        label_smoothing_factor=0.0, neftune_noise_alpha=None,
+        # compute: fp32 on the CPU, nothing recomputed, offloaded, compiled or swapped for a kernel library
+        use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, activation_offloading=False,
+        use_liger_kernel=False, torch_compile=False,
+        seed=SEED, data_seed=SEED, dataloader_num_workers=0, logging_steps=1, report_to="none",
+        save_strategy="no", eval_strategy="no", disable_tqdm=True)
+
+
+def worker_trl(s: dict, work: Path) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import TrainerCallback, set_seed
-    from trl import SFTConfig, SFTTrainer
+    from trl import SFTTrainer
 
     torch.set_num_threads(THREADS)
     set_seed(SEED)
-    rows = [json.loads(line) for line in Path(args.data).read_text().splitlines() if line.strip()]
-    dataset = Dataset.from_list(rows)
-
+    rows = [json.loads(line) for line in Path(s["data"]).read_text().splitlines() if line.strip()]
     t0 = time.perf_counter()
-    model, tok = load_trl_model(args.gguf)
-    load_s = time.perf_counter() - t0
-    peak_after_load = self_peak_rss_mb()
-
+    model, tok = load_trl_model(s["model"])
+    load_s, peak_after_load = time.perf_counter() - t0, self_peak_rss_mb()
     # every row must be longer than SEQ, so truncation leaves exactly SEQ tokens and no padding
     lengths = [len(tok.apply_chat_template(r["messages"], tokenize=True, return_dict=True)["input_ids"])
                for r in rows]
@@ -260,18 +260,11 @@ def worker_trl(args) -> dict:
             self.step_s.append(time.perf_counter() - self._t)
 
     timer = StepTimer()
-    config = SFTConfig(
-        output_dir=str(Path(args.work) / "trl_out"), max_steps=args.steps, per_device_train_batch_size=BATCH,
-        gradient_accumulation_steps=1, max_length=SEQ, packing=False, learning_rate=LR,
-        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        bf16=False, fp16=False, gradient_checkpointing=False, seed=SEED, use_cpu=True,
-        train_sampling_strategy="sequential",  # same row order as retrograd's shuffle = false
-        dataloader_num_workers=0, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
-    )
     lora = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=LORA_TARGETS,
-                      bias="none", task_type="CAUSAL_LM")
-    trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tok,
-                         peft_config=lora, callbacks=[timer])
+                      bias="none", task_type="CAUSAL_LM") if s["mode"] == "lora" else None
+    trainer = SFTTrainer(model=model, args=trl_config(s, work), train_dataset=Dataset.from_list(rows),
+                         processing_class=tok, peft_config=lora, callbacks=[timer])
+    n_trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     t1 = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - t1
@@ -281,160 +274,152 @@ def worker_trl(args) -> dict:
     if len(logs) == len(timer.step_s) and all(c is not None for c in cumulative):
         step_tokens = [int(b - a) for a, b in zip([0] + cumulative[:-1], cumulative)]
     else:
-        step_tokens = [BATCH * SEQ] * len(timer.step_s)
-    return {
-        "step_s": timer.step_s,
-        "step_tokens": step_tokens,
-        "loss": [entry["loss"] for entry in logs],
-        "peak_rss_after_load_mb": peak_after_load,
-        "load_s": load_s,
-        "train_wall_s": train_s,
-        "untruncated_tokens_min_max": [min(lengths), max(lengths)],
-        "torch_threads": torch.get_num_threads(),
-    }
+        step_tokens = [s["batch"] * s["seq"]] * len(timer.step_s)
+    return {"step_s": timer.step_s, "step_tokens": step_tokens, "loss": [entry["loss"] for entry in logs],
+            "peak_rss_after_load_mb": peak_after_load, "load_s": load_s, "train_wall_s": train_s,
+            "trainable_parameters": n_trainable, "untruncated_tokens_min_max": [min(lengths), max(lengths)],
+            "torch_threads": torch.get_num_threads()}
 
 
-WORKERS = {"prepare": worker_prepare, "retrograd": worker_retrograd, "trl": worker_trl}
-
-
-def run_worker(args) -> None:
-    out = WORKERS[args.worker](args)
-    out["worker_peak_rss_mb"] = self_peak_rss_mb()
-    write_json(Path(args.result), out)
+WORKERS = {"prepare": prepare, "retrograd": worker_retrograd, "trl": worker_trl}
 
 
 # ---- parent ------------------------------------------------------------------------------------------
 
 def spawn(kind: str, tmp: Path, steps: int, data: Path, gguf: str = "", script: str = __file__) -> dict:
-    """Run `script --worker kind` in its own process; its result JSON plus the process's own peak RSS."""
+    """Older scripts' worker call (bench_grpo.py): `script --worker kind --steps --work --data --gguf
+    --result` in its own process, under tmp/kind."""
     work = tmp / kind
     work.mkdir()
     result = work / "result.json"
     cmd = [sys.executable, str(Path(script).resolve()), "--worker", kind, "--steps", str(steps),
            "--work", str(work), "--data", str(data), "--gguf", gguf, "--result", str(result)]
-    print(f"\n=== {kind}  (load average {' '.join(f'{x:.2f}' for x in os.getloadavg())})", flush=True)
-    t = time.perf_counter()
-    proc = subprocess.Popen(cmd, env={**os.environ, **CHILD_ENV})
-    # os.wait4 gives this child's own rusage; RUSAGE_CHILDREN would be the max over all children so far
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        sys.exit(f"{Path(script).name}: the {kind} worker failed (exit {proc.returncode}); see its output above")
-    out = json.loads(result.read_text())
-    out["process_wall_s"] = time.perf_counter() - t
-    out["process_peak_rss_mb"] = usage.ru_maxrss / 1024  # KiB on Linux
-    out["process_cpu_s"] = usage.ru_utime + usage.ru_stime
-    return out
+    return common.spawn(cmd, result, kind)
 
 
-def summarize(r: dict, steps: int) -> dict:
-    step_s, step_tokens = r["step_s"], r["step_tokens"]
-    if len(step_s) != steps or len(step_tokens) != steps:
-        raise SystemExit(f"bench_sft: expected {steps} timed steps, got {len(step_s)} times "
-                         f"and {len(step_tokens)} token counts")
-    if any(n != BATCH * SEQ for n in step_tokens):
-        raise SystemExit(f"bench_sft: a step did not train {BATCH}x{SEQ} tokens: {step_tokens}")
-    return dict(
-        tokens_per_s_steps2plus=sum(step_tokens[1:]) / sum(step_s[1:]),
-        tokens_per_s_all_steps=sum(step_tokens) / sum(step_s),
-        tokens_per_s_best_step=max(n / s for n, s in zip(step_tokens, step_s)),
-        step1_s=step_s[0], mean_step_s_steps2plus=sum(step_s[1:]) / (steps - 1),
-        peak_rss_mb=max(r["process_peak_rss_mb"], r["worker_peak_rss_mb"]),
-        first_loss=r["loss"][0], last_loss=r["loss"][-1],
-    )
+def run_worker(script: str, kind: str, work: Path, settings: Path, label: str) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
+    result = work / "result.json"
+    return common.spawn(common.worker_cmd(script, kind, work, result, settings=settings), result, label)
 
 
-def print_table(s: dict, settings: str) -> None:
-    rg, trl = s["retrograd"], s["trl"]
+def worker_entry(args, workers: dict) -> None:
+    """In a worker process: run workers[args.worker](settings, work) and write its result JSON."""
+    out = workers[args.worker](json.loads(Path(args.settings).read_text()), Path(args.work))
+    out["worker_peak_rss_mb"] = self_peak_rss_mb()
+    write_json(Path(args.result), out)
 
-    def ratio(key):
-        a, b = rg.get(key), trl.get(key)
-        return f"{a / b:.2f}x" if a is not None and b else ""
 
-    rows = [("tokens/s, steps 2+", "tokens_per_s_steps2plus", "{:.1f}"),
-            ("tokens/s, all steps", "tokens_per_s_all_steps", "{:.1f}"),
-            ("step 1 s (warm-up)", "step1_s", "{:.2f}"),
-            ("mean step s, steps 2+", "mean_step_s_steps2plus", "{:.2f}"),
-            ("peak RSS MB", "peak_rss_mb", "{:.0f}"),
-            ("peak RSS after load MB", "peak_rss_after_load_mb", "{:.0f}"),
-            ("model load s", "load_s", "{:.1f}"),
-            ("process wall s", "process_wall_s", "{:.1f}"),
-            ("first loss", "first_loss", "{:.4f}"),
-            ("last loss", "last_loss", "{:.4f}")]
-    fmt = "{:<24} {:>12} {:>12} {:>14}"
-    print("\n" + settings)
-    print(fmt.format("", "retrograd", "TRL", "retrograd/TRL"))
-    for label, key, f in rows:
-        cells = [f.format(d[key]) if d.get(key) is not None else "-" for d in (rg, trl)]
-        print(fmt.format(label, *cells, ratio(key) if "loss" not in key else ""))
+def add_common_args(p: argparse.ArgumentParser, steps: int, workers: dict) -> None:
+    p.add_argument("--steps", type=int, help=f"optimizer steps per run (default {steps}; {SMOKE['steps']} with --smoke)")
+    p.add_argument("--repeats", type=int,
+                   help=f"runs of each side, interleaved (default 3; {SMOKE['repeats']} with --smoke)")
+    p.add_argument("--out", help="results folder (default benchmarks/results; $TMPDIR/bench_out with --smoke)")
+    p.add_argument("--smoke", action="store_true",
+                   help="a tiny random Llama instead of SmolLM2: checks the script and its checks in a minute or two")
+    p.add_argument("--worker", choices=sorted(workers), help=argparse.SUPPRESS)
+    for internal in ("--work", "--settings", "--result"):
+        p.add_argument(internal, help=argparse.SUPPRESS)
+
+
+def check_tokens(kind: str, r: dict, s: dict) -> None:
+    want = s["batch"] * s["seq"]
+    if len(r["step_s"]) != s["steps"] or len(r["step_tokens"]) != s["steps"]:
+        raise common.CheckFailed(f"bench_sft: {kind} timed {len(r['step_s'])} steps and counted "
+                                 f"{len(r['step_tokens'])} token totals for {s['steps']} steps")
+    if any(n != want for n in r["step_tokens"]):
+        raise common.CheckFailed(f"bench_sft: a {kind} step did not train {s['batch']}x{s['seq']} tokens: "
+                                 f"{r['step_tokens']}")
+    lo = (r.get("untruncated_tokens_min_max") or [want + 1])[0]
+    if lo <= s["seq"]:
+        raise common.CheckFailed(f"bench_sft: a synthetic row has only {lo} tokens; every row must exceed {s['seq']}")
+
+
+def check_runs(runs: dict) -> dict:
+    """After every run: the same trainable parameter count on both sides, and the loss check."""
+    counts = {r.get("trainable_parameters") for rs in runs.values() for r in rs}
+    if len(counts) > 1:
+        raise common.CheckFailed(f"bench_sft: the sides train different numbers of parameters: {sorted(counts, key=str)}")
+    return common.check_losses("bench_sft", {k: [r["loss"] for r in v] for k, v in runs.items()}, "trl",
+                               LOSS_TOL, REPEAT_TOL)
+
+
+def per_run_metrics(flops: float, peak_fp32: float) -> dict:
+    def step_s(r):
+        return sum(common.steady(r["step_s"])) / len(common.steady(r["step_s"]))
+    return {
+        "tokens_per_s": lambda r: sum(common.steady(r["step_tokens"])) / sum(common.steady(r["step_s"])),
+        "step_s": step_s,
+        "step1_s": lambda r: r["step_s"][0],
+        "achieved_gflops": lambda r: flops / step_s(r) / 1e9,
+        "machine_share": lambda r: flops / step_s(r) / 1e9 / peak_fp32,
+        "peak_rss_mb": lambda r: max(r["process_peak_rss_mb"], r["worker_peak_rss_mb"]),
+        "peak_rss_after_load_mb": lambda r: r["peak_rss_after_load_mb"] or 0.0,
+        "load_s": lambda r: r["load_s"] or 0.0,
+        "process_wall_s": lambda r: r["process_wall_s"],
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=int(os.environ.get("STEPS", 20)),
-                   help="optimizer steps per framework (default: $STEPS or 20; at least 2)")
-    p.add_argument("--out", default="bench_out", help="folder for result_sft.json (default: bench_out)")
-    p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
-    for internal in ("--work", "--data", "--gguf", "--result"):
-        p.add_argument(internal, help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=("lora", "full"), default="lora", help="LoRA (default) or full fine-tune")
+    add_common_args(p, 20, WORKERS)
     args = p.parse_args()
     if args.worker:
-        run_worker(args)
+        worker_entry(args, WORKERS)
         return
-    if args.steps < 2:
+    steps = args.steps or (SMOKE["steps"] if args.smoke else 20)
+    repeats = args.repeats or (SMOKE["repeats"] if args.smoke else 3)
+    if steps < 2:
         p.error("--steps must be at least 2 (step 1 is warm-up and is left out of the steady figure)")
-
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    loadavg = {"start": os.getloadavg()}
-    if loadavg["start"][0] > 2:
-        print(f"WARNING: load average {loadavg['start'][0]:.2f} > 2; other processes will distort the timings",
-              flush=True)
-    settings = (f"SFT LoRA r={LORA_R} alpha={LORA_ALPHA} on q,k,v,o | SmolLM2-135M-Instruct fp32 | "
-                f"{BATCH}x{SEQ} tokens/step | {args.steps} steps | lr {LR} constant | {THREADS} threads | "
-                f"no grad ckpt | seed {SEED}")
-    results = {}
+    name = f"sft_{args.mode}"
+    common.warn_if_busy()
+    load = {"start": common.load_average()}
+    peak = common.matmul_peak()
+    print(f"matmul peak ({THREADS} threads): fp32 {peak['fp32']:.0f}, bf16 {peak['bf16']:.0f} GFLOP/s", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench_sft-") as tmp_name:
         tmp = Path(tmp_name)
-        data = tmp / "train.jsonl"
-        write_data(data, args.steps * BATCH)
-        prep = spawn("prepare", tmp, args.steps, data)
-        for kind in ("retrograd", "trl"):
-            loadavg[f"before_{kind}"] = os.getloadavg()
-            results[kind] = spawn(kind, tmp, args.steps, data, prep["gguf"])
-    loadavg["end"] = os.getloadavg()
+        s = {"mode": args.mode, "smoke": args.smoke, "steps": steps, "batch": BATCH,
+             "seq": SMOKE["seq"] if args.smoke else SEQ, "micro_batch": MICRO_BATCH,
+             "lr": SMOKE["lr"][args.mode] if args.smoke else LR_BY_MODE[args.mode], "data": str(tmp / "train.jsonl")}
+        write_data(Path(s["data"]), steps * BATCH)
+        settings = tmp / "settings.json"
+        write_json(settings, s)
+        prep = run_worker(__file__, "prepare", tmp / "prepare", settings, "prepare")
+        s["model"] = prep["model"]
+        write_json(settings, s)
+        flops = common.step_matmul_flops(prep["shape"], BATCH, s["seq"], args.mode, LORA_R, LORA_TARGETS)
 
-    lo, hi = results["trl"]["untruncated_tokens_min_max"]
-    if lo <= SEQ:
-        raise SystemExit(f"bench_sft: a synthetic row has only {lo} tokens; every row must exceed {SEQ}")
-    summary = {k: {**summarize(r, args.steps), "peak_rss_after_load_mb": r["peak_rss_after_load_mb"],
-                   "load_s": r["load_s"], "process_wall_s": r["process_wall_s"]} for k, r in results.items()}
-    rg, trl = summary["retrograd"], summary["trl"]
-    report = {
-        "benchmark": "sft_lora",
-        "settings": dict(model=f"builtin {BUILTIN} (GGUF Q4_1 -> fp32)", gguf=prep["gguf"], dtype="float32",
-                         lora=dict(r=LORA_R, alpha=LORA_ALPHA, dropout=0.0, targets=LORA_TARGETS),
-                         batch=BATCH, seq=SEQ, steps=args.steps, lr=LR, lr_scheduler="constant",
-                         max_grad_norm=1.0, threads=THREADS, gradient_checkpointing=False, seed=SEED,
-                         loss_on="all tokens", row_order="file order (no shuffle)",
-                         rows=args.steps * BATCH, untruncated_row_tokens_min_max=[lo, hi]),
-        "tokens_per_s_steps2plus": {
-            "retrograd": rg["tokens_per_s_steps2plus"], "trl": trl["tokens_per_s_steps2plus"],
-            "ratio_retrograd_over_trl": rg["tokens_per_s_steps2plus"] / trl["tokens_per_s_steps2plus"]},
-        "peak_rss_mb": {"retrograd": rg["peak_rss_mb"], "trl": trl["peak_rss_mb"],
-                        "ratio_retrograd_over_trl": rg["peak_rss_mb"] / trl["peak_rss_mb"]},
-        "loss": {k: {"first": summary[k]["first_loss"], "last": summary[k]["last_loss"]} for k in summary},
-        "summary": summary,
-        "raw": results,
-        "versions": versions(),
-        "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(), "platform": platform.platform()},
-        "loadavg": loadavg,
-        "retrograd_conversion_cache_warm_s": prep["retrograd_load_s"],
+        def one(kind, i):
+            r = run_worker(__file__, kind, tmp / f"{kind}-{i + 1}", settings, f"{kind} run {i + 1} ({args.mode})")
+            check_tokens(kind, r, s)
+            return r
+
+        checks = {}
+        runs, order = common.run_interleaved(list(SIDES), repeats, one, lambda rs: checks.update(check_runs(rs)))
+    metrics = per_run_metrics(flops["total"], peak["fp32"])
+    summary = {k: common.summarize(v, metrics) for k, v in runs.items()}
+    first = runs["trl"][0]["loss"]
+    result = {
+        "machine": common.machine(peak), "load_average": {**load, "before_runs": order},
+        "settings": {**{k: v for k, v in s.items() if k not in ("data", "smoke")}, "repeats": repeats,
+                     "model_path": s["model"], "model": "tiny random Llama (smoke)" if args.smoke else
+                     f"builtin {BUILTIN} (GGUF Q4_1 -> fp32)", "shape": prep["shape"], "dtype": "float32",
+                     "lora": dict(r=LORA_R, alpha=LORA_ALPHA, dropout=0.0, targets=LORA_TARGETS)
+                     if args.mode == "lora" else None, "threads": THREADS, "seed": SEED,
+                     "gradient_checkpointing": False, "loss_on": "all tokens", "row_order": "file order",
+                     "steady": "steps 2+"},
+        "sides": {"retrograd": "retrograd", "trl": f"TRL {versions().get('trl')}"},
+        "flops_per_step": flops, "summary": summary, "ratios": {"retrograd/trl": common.ratios(summary, "retrograd", "trl")},
+        "checks": {"loss": checks}, "loss": {"first": first[0], "last": first[-1]},
+        "prepare": prep, "runs": runs,
     }
-    path = out_dir / "result_sft.json"
-    write_json(path, report)
-    print_table(summary, settings)
-    print(f"\nload average: start {loadavg['start'][0]:.2f}, end {loadavg['end'][0]:.2f}")
+    path = common.write_result(name, result, args.out, args.smoke)
+    import report
+    print("\n" + report.render(json.loads(path.read_text())))
+    print(f"\nloss check: every step of every run within {LOSS_TOL:g} (relative) of TRL's, repeats within "
+          f"{REPEAT_TOL:g}; largest differences {checks['max_abs_diff_vs_reference']} / across repeats "
+          f"{checks['max_abs_diff_across_repeats']}")
     print(f"wrote {path}")
 
 

@@ -1,0 +1,385 @@
+"""What the side-by-side benchmarks share (bench_sft.py, bench_dpo.py, bench_service.py).
+
+This module owns how a comparison is made fair and recorded, so every benchmark does it the same way:
+
+  machine      CPU model and flags (is bf16 native?), core count, and the measured plain-matmul peak
+               (fp32 and bf16 GFLOP/s of a 2048 x 2048 torch matmul at the benchmark's thread count,
+               best of a few repetitions): the "limit" that "% of machine limit" figures divide by
+  processes    each side runs in its own worker process (`spawn`), which reports its own peak RSS;
+               the parent also reads the child's rusage from os.wait4
+  order        sides run interleaved, A B A B ... (`interleave`, `run_interleaved`), with the load
+               average recorded before each run, so a drifting machine hits every side alike
+  statistics   median with min-max and spread over the repeats (`stats`, `summarize`)
+  checks       step-by-step loss equality across sides and repeats (`check_losses`): a benchmark whose
+               sides do not do the same work fails instead of printing a number
+  FLOPs        matmul FLOPs of one training step from the model's shapes (`step_matmul_flops`)
+  results      `write_result` writes benchmarks/results/<name>_<YYYYMMDD_HHMMSS>.json (or --out DIR)
+               with machine, versions, date, command line and load averages; benchmarks/report.py
+               turns the newest of each into the README's tables
+  smoke        `tiny_llama` builds a tiny random Llama folder (the SmolLM2 tokenizer) that both sides
+               load, so every script's --smoke mode checks its plumbing in a minute or two
+
+Not a package: the scripts import it after putting benchmarks/ on sys.path.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+REPO = HERE.parent
+SMOKE_OUT = Path(tempfile.gettempdir()) / "bench_out"  # smoke results never go into benchmarks/results
+THREADS = 2
+PACKAGES = ("retrograd", "torch", "transformers", "peft", "trl", "accelerate", "datasets", "gguf", "tinker")
+CHILD_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TRL_EXPERIMENTAL_SILENCE": "1"}
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+# ---- machine and environment ------------------------------------------------------------------------
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for p in PACKAGES:
+        try:
+            out[p] = version(p)
+        except PackageNotFoundError:
+            out[p] = None
+    return out
+
+
+def _cpuinfo_field(name: str) -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.split(":")[0].strip() == name), None)
+    except OSError:
+        return None
+
+
+def cpu_model() -> str | None:
+    return _cpuinfo_field("model name")
+
+
+def cpu_flags() -> dict:
+    """Which of the flags that decide matmul speed the CPU has (bf16 is only fast with avx512_bf16 / amx)."""
+    flags = set((_cpuinfo_field("flags") or "").split())
+    return {f: f in flags for f in CPU_FLAGS}
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def self_peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def matmul_peak(n: int = 2048, threads: int = THREADS, reps: int = 5) -> dict:
+    """GFLOP/s of a plain [n, n] x [n, n] torch matmul, fp32 and bf16, best of `reps` after a warm-up.
+    The best, not the mean: it is what the hardware can do, the ceiling a training step is held to."""
+    import torch
+    torch.set_num_threads(threads)
+    out = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        a @ b  # the first call picks and prepares the kernel
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t)
+        out[name] = 2 * n ** 3 / best / 1e9
+    return out
+
+
+def machine(peak: dict | None = None) -> dict:
+    return {"cpu": cpu_model(), "cpus": os.cpu_count(), "threads": THREADS, "flags": cpu_flags(),
+            "platform": platform.platform(),
+            "matmul_gflops": peak, "matmul": f"2048x2048 torch matmul, {THREADS} threads, best of 5"}
+
+
+def warn_if_busy(what: str = "") -> None:
+    load = os.getloadavg()[0]
+    if load > 2:
+        print(f"WARNING: load average {load:.2f} > 2{what}; other processes will distort the timings", flush=True)
+
+
+# ---- worker processes ----------------------------------------------------------------------------------
+
+def write_json(path: Path, obj: dict) -> None:
+    Path(path).write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+
+
+def worker_cmd(script: str, kind: str, work: Path, result: Path, **opts) -> list[str]:
+    """`python script --worker kind --work W --result R --key value ...`; True adds a bare --key flag."""
+    cmd = [sys.executable, str(Path(script).resolve()), "--worker", kind, "--work", str(work), "--result", str(result)]
+    for key, value in opts.items():
+        if value is True:
+            cmd.append(f"--{key}")
+        elif value not in (None, False):
+            cmd += [f"--{key}", str(value)]
+    return cmd
+
+
+def spawn(cmd: list[str], result: Path, label: str, cwd: Path | None = None) -> dict:
+    """Run one worker to completion; its result JSON plus what the parent saw of it: wall time, CPU
+    time and peak RSS from os.wait4 (this child's own rusage, with the descendants it waited for;
+    RUSAGE_CHILDREN would be the max over every child so far) and the load average before it."""
+    load = load_average()
+    print(f"\n=== {label}  (load average {' '.join(f'{x:.2f}' for x in load)})", flush=True)
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd, env={**os.environ, **CHILD_ENV}, cwd=cwd)
+    _, status, usage = os.wait4(proc.pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        raise SystemExit(f"{Path(cmd[1]).name}: the {label} worker failed (exit {code}); see its output above")
+    out = json.loads(Path(result).read_text())
+    out.update(process_wall_s=time.perf_counter() - t, process_peak_rss_mb=usage.ru_maxrss / 1024,
+               process_cpu_s=usage.ru_utime + usage.ru_stime, load_average_before=load)
+    return out
+
+
+def interleave(sides: list[str], repeats: int) -> list[tuple[str, int]]:
+    """The run order: A B A B ... (every side once per round), `repeats` rounds."""
+    return [(side, i) for i in range(repeats) for side in sides]
+
+
+def run_interleaved(sides: list[str], repeats: int, run_one, after_each=None) -> tuple[dict, list]:
+    """run_one(side, i) -> result dict, in interleave() order; after_each(runs) (e.g. the loss check)
+    after every run so a broken comparison stops at once. Returns ({side: [results]}, the load
+    average before each run)."""
+    runs: dict[str, list[dict]] = {s: [] for s in sides}
+    loads = []
+    for side, i in interleave(sides, repeats):
+        warn_if_busy(f" before {side} run {i + 1}")
+        load = load_average()
+        r = run_one(side, i)
+        r.setdefault("load_average_before", load)
+        loads.append({"side": side, "repeat": i + 1, "load_average": r["load_average_before"]})
+        runs[side].append(r)
+        if after_each is not None:
+            after_each(runs)
+    return runs, loads
+
+
+# ---- statistics ------------------------------------------------------------------------------------------
+
+def stats(values: list[float]) -> dict:
+    """median, min, max and spread ((max - min) / median) of the per-run values."""
+    values = [float(v) for v in values]
+    med = statistics.median(values)
+    return {"median": med, "min": min(values), "max": max(values),
+            "spread": (max(values) - min(values)) / abs(med) if med else 0.0, "n": len(values)}
+
+
+def summarize(runs: list[dict], metrics: dict) -> dict:
+    """{name: stats([fn(run) for run in runs])} for metrics {name: fn}."""
+    return {name: stats([fn(r) for r in runs]) for name, fn in metrics.items()}
+
+
+def ratios(summary: dict, a: str, b: str) -> dict:
+    """median of side a / median of side b, for every metric both have."""
+    out = {}
+    for key, sa in summary[a].items():
+        sb = summary[b].get(key)
+        if isinstance(sa, dict) and isinstance(sb, dict) and sb.get("median"):
+            out[key] = sa["median"] / sb["median"]
+    return out
+
+
+def steady(values: list[float]) -> list[float]:
+    """Steps 2 onwards: step 1 is warm-up (first-call kernel choice, allocator growth)."""
+    return list(values[1:])
+
+
+# ---- checks ----------------------------------------------------------------------------------------------
+
+class CheckFailed(SystemExit):
+    """A benchmark's sides did not do the same work: the script stops (exit status 1) with this message."""
+
+
+def loss_mismatch(got: list[float], want: list[float], tol: float) -> tuple | None:
+    """The first step (0-based) where |got - want| > tol * max(1, |want|), as (step, got, want), or
+    None; a length difference is a mismatch at the first missing step."""
+    for k, (a, b) in enumerate(zip(got, want)):
+        if not abs(a - b) <= tol * max(1.0, abs(b)):  # also catches NaN
+            return k, a, b
+    if len(got) != len(want):
+        k = min(len(got), len(want))
+        return k, got[k] if k < len(got) else None, want[k] if k < len(want) else None
+    return None
+
+
+def check_losses(bench: str, losses: dict, reference: str, tol: float, repeat_tol: float | None = None) -> dict:
+    """Every run's per-step losses against the first run of `reference` (within `tol`) and against the
+    first run of its own side (within `repeat_tol`, default `tol`). losses: {side: [[loss per step]
+    per run]}. Raises CheckFailed naming the side, run, step and both values; returns the largest
+    differences seen."""
+    repeat_tol = tol if repeat_tol is None else repeat_tol
+    ref_runs = losses.get(reference) or []
+    out = {"tolerance": f"|a - b| <= {tol:g} * max(1, |b|) against {reference}'s run 1",
+           "repeat_tolerance": f"|a - b| <= {repeat_tol:g} * max(1, |b|) against the same side's run 1",
+           "max_abs_diff_vs_reference": {}, "max_abs_diff_across_repeats": {}}
+    for side, runs in losses.items():
+        for i, run in enumerate(runs):
+            pairs = ([(ref_runs[0], tol, f"{reference} run 1", "max_abs_diff_vs_reference")] if ref_runs else []) + \
+                    [(runs[0], repeat_tol, f"{side} run 1", "max_abs_diff_across_repeats")]
+            for want, t, name, key in pairs:
+                bad = loss_mismatch(run, want, t)
+                if bad is not None:
+                    k, a, b = bad
+                    raise CheckFailed(f"{bench}: loss check failed at step {k + 1}: {side} run {i + 1} has {a}, "
+                                      f"{name} has {b} (allowed |a - b| <= {t:g} * max(1, |b|)); the sides do not "
+                                      "do the same work, so no throughput is reported")
+                diff = max((abs(a - b) for a, b in zip(run, want)), default=0.0)
+                out[key][side] = max(out[key].get(side, 0.0), diff)
+    return out
+
+
+# ---- FLOPs -----------------------------------------------------------------------------------------------
+
+def model_shape(config) -> dict:
+    """The shapes that set a Llama-family step's matmul FLOPs, from an HF config (object or dict)."""
+    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
+    return {"hidden": hidden, "intermediate": int(get("intermediate_size")), "layers": int(get("num_hidden_layers")),
+            "heads": heads, "kv_heads": int(get("num_key_value_heads") or heads),
+            "head_dim": int(get("head_dim") or hidden // heads), "vocab": int(get("vocab_size")),
+            "tied": bool(get("tie_word_embeddings", False))}
+
+
+PROJ_ALIASES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
+                "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
+
+
+def step_matmul_flops(shape: dict, batch: int, seq: int, mode: str = "lora", lora_rank: int = 8,
+                      lora_targets=("q_proj", "k_proj", "v_proj", "o_proj")) -> dict:
+    """Matmul FLOPs (2 m n k per product) of one forward + backward over batch x seq tokens.
+
+    A product's backward costs one more forward-sized product for the input's gradient when the
+    input needs one (something trainable lies upstream), and one more for the weight's gradient when
+    the weight is trained: frozen weights count 1-2x their forward, trained ones 3x. So in LoRA mode
+    the first layer's q/k/v need no input gradient (the embeddings are frozen); in full mode every
+    weight, the (tied) head and the embedding's path train. LoRA's A and B are two trained products
+    each. Attention counts QK^T and AV densely (seq x seq, no causal halving, no recomputation in
+    backward), forward and both input gradients. The head runs over every position. Norms, RoPE,
+    activations, softmax and the optimizer are not matmuls and are left out."""
+    if mode not in ("lora", "full"):
+        raise ValueError(f"mode {mode!r}: lora or full")
+    h, inter, d = shape["hidden"], shape["intermediate"], shape["head_dim"]
+    q_out, kv_out = shape["heads"] * d, shape["kv_heads"] * d
+    n = batch * seq
+    full = mode == "full"
+    targets = {PROJ_ALIASES.get(t, t) for t in lora_targets} if not full else set()
+    parts = {"projections": 0, "lora": 0, "attention": 0, "lm_head": 0}
+
+    def linear(name: str, fan_in: int, fan_out: int, grad_in: bool) -> bool:
+        """Adds one projection (and its LoRA); returns whether its output needs a gradient."""
+        parts["projections"] += 2 * n * fan_in * fan_out * (1 + grad_in + full)
+        if name in targets:  # A: [fan_in -> r], its input as the base's; B: [r -> fan_out], input needs grad
+            parts["lora"] += 2 * n * fan_in * lora_rank * (2 + grad_in) + 2 * n * lora_rank * fan_out * 3
+        return grad_in or full or name in targets
+
+    stream = full  # does the residual stream need a gradient here? (the embeddings train only in full)
+    for _ in range(shape["layers"]):
+        q, k, v = (linear(p, h, w, stream) for p, w in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)))
+        attn_grad = q or k or v
+        per_product = 2 * batch * shape["heads"] * seq * seq * d  # QK^T, and AV the same
+        parts["attention"] += 2 * per_product * (1 + 2 * attn_grad)
+        stream = linear("o_proj", q_out, h, attn_grad) or stream
+        gate = linear("gate_proj", h, inter, stream)
+        up = linear("up_proj", h, inter, stream)
+        stream = linear("down_proj", inter, h, gate or up) or stream
+    parts["lm_head"] = 2 * n * h * shape["vocab"] * (1 + stream + full)
+    return {**parts, "total": sum(parts.values()), "tokens": n, "mode": mode,
+            "counting": "2mnk per matmul; backward: +1 for the input gradient where needed, +1 for a trained "
+                        "weight; dense attention; head over every position"}
+
+
+# ---- models -------------------------------------------------------------------------------------------------
+
+def tokenizer_folder(gguf: Path) -> str:
+    """An HF folder holding the GGUF's tokenizer: retrograd's conversion cache (made once)."""
+    import torch
+    from retrograd.models.load import _converted_gguf
+    folder, _ = _converted_gguf(Path(gguf).resolve(), torch.float32, print)
+    return folder
+
+
+def tiny_llama(path: Path, tokenizer_dir: str, seed: int = 0) -> dict:
+    """A random Llama (hidden 64, 2 layers, 4 heads / 2 KV heads, tied head) with the tokenizer from
+    `tokenizer_dir`, saved as an HF folder at `path` that both sides load. Returns its model_shape."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return model_shape(cfg)
+
+
+def load_trl_model(path: str):
+    """(model, tokenizer) for a TRL side: a .gguf de-quantized to fp32 by transformers, or an HF folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    p = Path(path)
+    if p.suffix == ".gguf":
+        tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+        model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32)
+    else:
+        tok = AutoTokenizer.from_pretrained(str(p))
+        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    # The weights are de-quantized to plain fp32, but transformers keeps a GGUF quantizer marker and
+    # Trainer then refuses to train ("... quantized with GGUF ... do not support training"). Drop it.
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    for m in model.modules():
+        if getattr(getattr(m, "config", None), "_is_quantized", False):
+            m.config._is_quantized = False
+    return model, tok
+
+
+# ---- results ---------------------------------------------------------------------------------------------------
+
+def out_dir(args) -> Path:
+    """--out, else benchmarks/results (a smoke run: $TMPDIR/bench_out, never benchmarks/results)."""
+    if args.out:
+        return Path(args.out)
+    return SMOKE_OUT if getattr(args, "smoke", False) else RESULTS
+
+
+def result_name(name: str, smoke: bool = False, stamp: str | None = None) -> str:
+    return f"{name}{'_smoke' if smoke else ''}_{stamp or time.strftime('%Y%m%d_%H%M%S')}.json"
+
+
+def write_result(name: str, obj: dict, out: Path | None = None, smoke: bool = False) -> Path:
+    """Write OUT/<name>_<YYYYMMDD_HHMMSS>.json (name_smoke_... for a smoke run): obj plus the
+    benchmark's name, date (UTC ISO), command line, machine, package versions and load averages."""
+    folder = Path(out) if out else (SMOKE_OUT if smoke else RESULTS)
+    folder.mkdir(parents=True, exist_ok=True)
+    full = {"benchmark": name, "smoke": smoke, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": [Path(sys.executable).name, *sys.argv], **obj}
+    full.setdefault("machine", machine())
+    full.setdefault("versions", versions())
+    full["load_average"] = {**(obj.get("load_average") or {}), "end": load_average()}
+    path = folder / result_name(name, smoke)
+    write_json(path, full)
+    return path

@@ -1,0 +1,206 @@
+"""Markdown tables from the benchmarks' result files, and the README sections they fill.
+
+Reads the newest benchmarks/results/<kind>_<YYYYMMDD_HHMMSS>.json of each kind (sft_lora, sft_full,
+dpo, service from common.write_result; grpo and distill in their own older layout; smoke results,
+named <kind>_smoke_..., are never picked) and prints, per kind, a line naming the machine, its CPU
+and measured matmul peak, then a table of medians with min-max over the interleaved runs and the
+ratios between sides.
+
+    python benchmarks/report.py                       # print every table
+    python benchmarks/report.py sft_lora dpo          # some of them
+    python benchmarks/report.py --write benchmarks/README.md
+
+--write replaces the text between `<!-- report:KIND -->` and `<!-- /report:KIND -->` in that file
+with KIND's table (a kind with no result yet says so); nothing else in the file changes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+NUM, PCT = "{:.{p}f}", "pct"
+
+# per kind: title, side (key, label) columns, ratio pairs (a / b of the medians), rows (metric, label, decimals)
+KINDS = {
+    "sft_lora": {
+        "title": "SFT LoRA, retrograd vs TRL SFTTrainer",
+        "sides": [("retrograd", "retrograd"), ("trl", "TRL")], "pairs": [("retrograd", "trl")],
+        "rows": [("tokens_per_s", "tokens/s, steps 2+", 1), ("step_s", "seconds per step, steps 2+", 2),
+                 ("step1_s", "step 1 s (warm-up)", 2), ("achieved_gflops", "matmul GFLOP/s achieved", 0),
+                 ("machine_share", "% of the fp32 matmul peak", PCT), ("peak_rss_mb", "peak RSS MB", 0),
+                 ("peak_rss_after_load_mb", "peak RSS after model load MB", 0), ("load_s", "model load s", 1)]},
+    "dpo": {
+        "title": "DPO LoRA, retrograd vs TRL DPOTrainer (reference in every step, and precomputed)",
+        "sides": [("retrograd", "retrograd"), ("trl", "TRL"), ("trl_precompute", "TRL precompute")],
+        "pairs": [("retrograd", "trl"), ("retrograd", "trl_precompute")],
+        "rows": [("pairs_per_s", "pairs/s, steps 2+", 3), ("pairs_per_s_end_to_end", "pairs/s end to end", 3),
+                 ("step_s", "seconds per step, steps 2+", 2), ("reference_s", "reference scoring s (once)", 1),
+                 ("before_step1_s", "train() start to step 1 s", 2), ("peak_rss_mb", "peak RSS MB", 0),
+                 ("peak_rss_after_load_mb", "peak RSS after model load MB", 0)]},
+    "service": {
+        "title": "SFT LoRA through the service (tinker SDK -> retrograd serve) vs retrograd train",
+        "sides": [("retrograd", "retrograd train"), ("service", "SDK -> serve")], "pairs": [("service", "retrograd")],
+        "rows": [("tokens_per_s", "tokens/s, steps 2+", 1), ("step_s", "seconds per step, steps 2+", 3),
+                 ("peak_rss_mb", "peak RSS MB (server for the service)", 0)]},
+    "grpo": {
+        "title": "GRPO LoRA, retrograd vs TRL GRPOTrainer",
+        "sides": [("retrograd", "rg fp32"), ("trl", "TRL fp32"), ("retrograd_bf16", "rg bf16"), ("trl_bf16", "TRL bf16")],
+        "pairs": [("retrograd", "trl"), ("retrograd_bf16", "trl_bf16")],
+        "rows": [("s_per_update", "seconds per update", 2), ("sampling_s", "sampling s", 2),
+                 ("training_s", "training s", 2), ("sampling_tokens_per_s", "sampling tokens/s", 0),
+                 ("sampling_share_of_matmul_peak", "sampling share of the matmul peak", PCT),
+                 ("peak_rss_mb", "peak RSS MB", 0)]},
+    "distill": {
+        "title": "On-policy distillation, retrograd vs TRL DistillationTrainer",
+        "sides": [("retrograd", "retrograd"), ("trl", "TRL")], "pairs": [("retrograd", "trl")],
+        "rows": [("s_per_update", "seconds per update", 2), ("sampling_s", "sampling s", 2),
+                 ("training_s", "training s", 2), ("s_per_1k_completion_tokens", "seconds per 1k completion tokens", 1),
+                 ("sampling_tokens_per_s", "sampling tokens/s", 0), ("peak_rss_mb", "peak RSS MB", 0)]},
+}
+KINDS["sft_full"] = {**KINDS["sft_lora"], "title": "SFT full fine-tune, retrograd vs TRL SFTTrainer"}
+
+
+def newest(kind: str, folder: Path = RESULTS) -> Path | None:
+    pattern = re.compile(rf"^{re.escape(kind)}_(\d{{8}}_\d{{6}})\.json$")
+    found = sorted((m.group(1), p) for p in folder.glob(f"{kind}_*.json") if (m := pattern.match(p.name)))
+    return found[-1][1] if found else None
+
+
+def fmt(value, decimals) -> str:
+    if value is None:
+        return "-"
+    return f"{100 * value:.0f} %" if decimals == PCT else f"{value:.{decimals}f}"
+
+
+def cell(s, decimals) -> str:
+    if not isinstance(s, dict) or "median" not in s:
+        return "-"
+    text = fmt(s["median"], decimals)
+    lo, hi = (fmt(s.get(k), decimals).removesuffix(" %") for k in ("min", "max"))
+    if s.get("min") is not None and lo != hi:
+        text = text.removesuffix(" %") + f" ({lo}–{hi})" + (" %" if decimals == PCT else "")
+    return text
+
+
+def machine_line(r: dict, path: Path | None) -> str:
+    m = r.get("machine") or {}
+    peak = m.get("matmul_gflops") or {"fp32": r.get("matmul_gflops"), "bf16": r.get("matmul_gflops_bf16")}
+    cpu = m.get("cpu") or r.get("cpu") or "unknown CPU"
+    flags = m.get("flags") or {}
+    parts = [f"{cpu}", f"{m['cpus']} CPUs" if m.get("cpus") else None, f"{m.get('threads', 2)} threads"]
+    if flags:
+        parts.append("native bf16: " + (", ".join(f for f in ("avx512_bf16", "amx_bf16") if flags.get(f)) or "no"))
+    if peak.get("fp32"):
+        parts.append(f"matmul fp32 {peak['fp32']:.0f}" + (f" / bf16 {peak['bf16']:.0f}" if peak.get("bf16") else "")
+                     + " GFLOP/s")
+    v = r.get("versions") or {}
+    parts.append(", ".join(f"{k} {v[k]}" for k in ("torch", "transformers", "peft", "trl") if v.get(k)))
+    stamp = re.search(r"_(\d{4})(\d\d)(\d\d)_\d{6}\.json$", path.name) if path else None
+    date = (r.get("date") or "")[:10] or ("-".join(stamp.groups()) if stamp else None)
+    loads = [x["load_average"][0] for x in (r.get("load_average") or {}).get("before_runs", [])]
+    runs = f"{r['settings']['repeats']} interleaved runs each" if "repeats" in (r.get("settings") or {}) else (
+        f"{r['repeats']} interleaved runs each" if r.get("repeats") else None)
+    head = "; ".join(p for p in parts if p)
+    tail = "; ".join(p for p in (runs, f"load average {min(loads):.1f}–{max(loads):.1f} before runs" if loads else None,
+                                 f"`results/{path.name}`" if path else None, date) if p)
+    return f"Machine: {head}. {tail}."
+
+
+def table(r: dict, spec: dict) -> list[str]:
+    labels = dict(spec["sides"])
+    sides = [k for k, _ in spec["sides"] if k in r.get("summary", {})]
+    pairs = [(a, b) for a, b in spec["pairs"] if a in sides and b in sides]
+    head = ["median (min–max)"] + [labels[k] for k in sides] + [f"{labels[a]} / {labels[b]}" for a, b in pairs]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for metric, label, decimals in spec["rows"]:
+        stats = [r["summary"][k].get(metric) for k in sides]
+        if all(not isinstance(s, dict) for s in stats):
+            continue
+        ratios = []
+        for a, b in pairs:
+            sa, sb = r["summary"][a].get(metric), r["summary"][b].get(metric)
+            ok = isinstance(sa, dict) and isinstance(sb, dict) and sb["median"]
+            ratios.append(f"{sa['median'] / sb['median']:.2f}×" if ok else "")
+        lines.append("| " + " | ".join([label] + [cell(s, decimals) for s in stats] + ratios) + " |")
+    return lines
+
+
+def notes(kind: str, r: dict) -> list[str]:
+    out = []
+    f = r.get("flops_per_step")
+    if f:
+        out.append(f"Matmul work per step: {f['total'] / 1e9:.1f} GFLOP ({f['tokens']} tokens; {f['counting']}).")
+    loss = (r.get("checks") or {}).get("loss")
+    if loss:
+        worst = max(loss.get("max_abs_diff_vs_reference", {}).values(), default=0.0)
+        first = r.get("loss") or {}
+        span = f" ({first['first']:.4f} → {first['last']:.4f})" if "first" in first else ""
+        out.append(f"Loss check passed: every step of every run within {loss['tolerance']}; largest difference "
+                   f"{worst:.1e}{span}.")
+    if kind == "service" and "overhead_percent" in r:
+        out.append(f"Service overhead (time per token): {r['overhead_percent']:+.1f} %; passes of "
+                   f"{r['settings']['pass_tokens']} tokens on both sides.")
+    return out
+
+
+def render(r: dict, path: Path | None = None, kind: str | None = None) -> str:
+    kind = kind or r.get("benchmark")
+    spec = KINDS.get(kind)
+    if spec is None:
+        return f"(no table for benchmark kind {kind!r})"
+    smoke = " (smoke run: a tiny random model, not a measurement)" if r.get("smoke") else ""
+    lines = [f"**{spec['title']}**{smoke}", "", machine_line(r, path), "", *table(r, spec)]
+    extra = notes(kind, r)
+    return "\n".join(lines + ([""] + extra if extra else []))
+
+
+def render_kind(kind: str, folder: Path = RESULTS) -> str:
+    path = newest(kind, folder)
+    if path is None:
+        return f"No result yet (run the benchmark; it writes `benchmarks/results/{kind}_<timestamp>.json`)."
+    try:
+        return render(json.loads(path.read_text()), path, kind)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # an older or broken file: say so, go on
+        return f"`{path.name}` could not be rendered ({type(e).__name__}: {e})."
+
+
+def write_sections(readme: Path, folder: Path = RESULTS, kinds=None) -> list[str]:
+    """Replace each <!-- report:KIND --> ... <!-- /report:KIND --> block; returns the kinds replaced."""
+    text = readme.read_text(encoding="utf-8")
+    done = []
+
+    def replace(m):
+        kind = m.group(1)
+        if kinds and kind not in kinds:
+            return m.group(0)
+        done.append(kind)
+        return f"<!-- report:{kind} -->\n{render_kind(kind, folder)}\n<!-- /report:{kind} -->"
+
+    text = re.sub(r"<!-- report:(\w+) -->.*?<!-- /report:\1 -->", replace, text, flags=re.S)
+    readme.write_text(text, encoding="utf-8")
+    return done
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("kinds", nargs="*", help=f"which tables (default all: {', '.join(KINDS)})")
+    p.add_argument("--results", type=Path, default=RESULTS, help="folder of result files (benchmarks/results)")
+    p.add_argument("--write", type=Path, metavar="FILE", help="fill the <!-- report:KIND --> blocks of FILE")
+    args = p.parse_args()
+    unknown = [k for k in args.kinds if k not in KINDS]
+    if unknown:
+        p.error(f"unknown kinds {unknown}; known: {', '.join(KINDS)}")
+    if args.write:
+        done = write_sections(args.write, args.results, args.kinds or None)
+        print(f"{args.write}: replaced {', '.join(done) or 'nothing (no report markers)'}")
+        return
+    for kind in args.kinds or KINDS:
+        print(f"## {kind}\n\n{render_kind(kind, args.results)}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
