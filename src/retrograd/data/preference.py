@@ -33,7 +33,8 @@ class Pair:
         return len(self.chosen.input_ids) + len(self.rejected.input_ids)
 
 
-def _prompt_length(e: Example) -> int:
+def prompt_length(e: Example) -> int:
+    """Tokens before the first labelled one: the prompt, which both sides of a pair share."""
     return next(i for i, lab in enumerate(e.labels) if lab != IGNORE)
 
 
@@ -65,7 +66,7 @@ def render_pair(renderer: Renderer, row: dict, where: str, index: int = 0) -> Pa
                             "ctx or shorten the pair (pairs are never truncated)")
         if e.n_targets == 0:
             raise DataError(f"{where}: the {side} response has no tokens")
-    kc, kr = _prompt_length(chosen), _prompt_length(rejected)
+    kc, kr = prompt_length(chosen), prompt_length(rejected)
     if chosen.input_ids[:kc] != rejected.input_ids[:kr]:
         raise DataError(f"{where}: the chosen and rejected sequences do not share the prompt token for token "
                         f"({kc} vs {kr} prompt tokens); the tokenizer merges text across the prompt/response "

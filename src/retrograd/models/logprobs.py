@@ -9,6 +9,8 @@ model's own logits. One scorer, these readings:
   token_logprobs(batch, W)   [B, W] per-token log-probabilities of each row's completion (RL)
   shared_prompt_logprobs     the same [N, W], each prompt run once for all its completions and the
                              prompts' common prefix once for all prompts, through the KV cache (RL)
+  shared_prompt_sums         [N] summed log-probabilities of chosen completion tokens, prompts shared
+                             the same way (preference: a pair's chosen and rejected sides)
   target_logprobs(rows)      log p(target) per datum at every input position (the Tinker service)
   target_and_top1(batch)     log p(label) and whether it is the first choice, per labelled position (distill)
   compare(other, batch)      KL to another model and top-1 agreement at every labelled position (distill)
@@ -31,6 +33,9 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplie
 # a separate pass over the prompts' common prefix costs one more forward's fixed overhead (training:
 # ~20 ms with backward on SmolLM2); it pays once it saves this many prompt tokens
 MIN_SHARED_PREFIX_SAVING = 16
+# architectures whose forward on a KV cache was checked equal to one full row per completion
+# (values and gradients: tests/unit/test_shared_prompt*.py); others score one row per sequence
+SHARED_PROMPT_MODELS = ("llama",)
 
 
 def to_device(batch: dict, device) -> dict:
@@ -48,6 +53,8 @@ class Scorer:
         # a sharded (FSDP2) model gathers its weights inside its own forward only: score through it
         from retrograd.dist import is_sharded
         self.fused = plain_head and not transforms and not is_sharded(base)
+        # prompts may run once for all their completions (needs the fused head and a checked architecture)
+        self.shares_prompts = self.fused and getattr(base.config, "model_type", None) in SHARED_PROMPT_MODELS
 
     # ---- the two forwards ------------------------------------------------------------------------
     def hidden(self, batch: dict) -> torch.Tensor:
@@ -115,6 +122,36 @@ class Scorer:
         position and the result equals one row per completion (tested), at c + sum(P remainders) +
         completion tokens instead of N x (prompt + completion). Needs the fused head. With `states`, also
         the detached final hidden states that predicted each token [N, width, H]."""
+        before, ids, keep = self._shared_prompt_hidden(prompts, completions, owner, pad_id)
+        device = ids.device
+        n, n_max = ids.shape
+        logp = linear_token_logprobs(before[keep], self.head.weight, ids[keep], chunk_size=CE_CHUNK_ROWS)
+        r = torch.arange(n, device=device)[:, None].expand_as(keep)[keep]
+        c = torch.arange(n_max, device=device)[None].expand_as(keep)[keep]
+        out = torch.zeros(n, width, dtype=logp.dtype, device=device).index_put((r, c), logp)
+        if not states:
+            return out
+        h = before[keep].detach()
+        return out, h.new_zeros(n, width, h.shape[-1]).index_put((r, c), h)
+
+    def shared_prompt_sums(self, prompts: list[list[int]], completions: list[list[int]], owner: list[int],
+                           scored: list[list[bool]], pad_id: int) -> torch.Tensor:
+        """[N] float32: completion i's summed log-probability over its tokens where scored[i] is true,
+        each prompt (and the prompts' common prefix) run once, as in `shared_prompt_logprobs`. Only the
+        scored positions reach the head."""
+        before, ids, keep = self._shared_prompt_hidden(prompts, completions, owner, pad_id)
+        device = ids.device
+        chosen = torch.zeros_like(keep)
+        for i, mask in enumerate(scored):
+            chosen[i, :len(mask)] = torch.tensor(mask, dtype=torch.bool, device=device)
+        chosen &= keep
+        logp = linear_token_logprobs(before[chosen], self.head.weight, ids[chosen], chunk_size=CE_CHUNK_ROWS)
+        rows = torch.arange(ids.shape[0], device=device)[:, None].expand_as(chosen)[chosen]
+        return torch.zeros(ids.shape[0], dtype=logp.dtype, device=device).index_add(0, rows, logp)
+
+    def _shared_prompt_hidden(self, prompts, completions, owner, pad_id):
+        """(before [N, n_max, H]: the final hidden state that predicts each completion token, ids
+        [N, n_max] the completions right-padded, keep [N, n_max] where a token is)."""
         device = self.head.weight.device
         prefix, ids_p, attention_p, positions_p = split_prompts(prompts, pad_id, device)
         cache = None
@@ -141,15 +178,7 @@ class Scorer:
         hidden = self.decoder(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
                               use_cache=False).last_hidden_state  # [N, n_max, H]
         # token j of a completion is predicted from the position before it: the prompt's last for j = 0
-        before = torch.cat([last, hidden[:, :-1]], dim=1)  # [N, n_max, H]
-        logp = linear_token_logprobs(before[keep], self.head.weight, ids[keep], chunk_size=CE_CHUNK_ROWS)
-        r = torch.arange(n, device=device)[:, None].expand_as(keep)[keep]
-        c = torch.arange(n_max, device=device)[None].expand_as(keep)[keep]
-        out = torch.zeros(n, width, dtype=logp.dtype, device=device).index_put((r, c), logp)
-        if not states:
-            return out
-        h = before[keep].detach()
-        return out, h.new_zeros(n, width, h.shape[-1]).index_put((r, c), h)
+        return torch.cat([last, hidden[:, :-1]], dim=1), ids, keep
 
     def labelled_distributions(self, batch: dict, chunk: int = CE_CHUNK_ROWS):
         """Yield (float32 log-softmax [n, V], targets [n]) over the labelled positions, `chunk` rows at a

@@ -47,7 +47,6 @@ from retrograd.train.setup import (TrainResult, check_resumable, evaluation_due,
                                    record_eval, resolve_resume, restore, save_checkpoint, schedule_state, start_run)
 
 CPU_PASS_TOKENS = 1024
-SHARED_PROMPT_MODELS = ("llama",)
 
 
 def load_teacher(cfg, student_tokenizer, device, log) -> Scorer:
@@ -86,7 +85,7 @@ def train_on_policy(cfg, resume: str | None = None, log=print) -> TrainResult:
     reference = load_reference(cfg, tok, run.device, log) if d.kl_coefficient > 0 and cfg.reference else None
     eos = eos_ids(tok, model)
     scorer = Scorer(model)
-    share_prompts = scorer.fused and model.config.model_type in SHARED_PROMPT_MODELS
+    share_prompts = scorer.shares_prompts
     plain_sampling = sp.temperature == 1.0 and sp.top_p == 1.0 and not sp.top_k
     loss_fn = POLICY_LOSSES.get("clip")
     loss_params = {"clip_low": d.clip_range_low, "clip_high": d.clip_range_high, "clip_ratio_c": 0.0}

@@ -55,8 +55,6 @@ from retrograd.train.setup import (TrainResult, check_resumable, evaluation_due,
 # with 47-token prompts (~570 tokens run) took 15-20% less time than two passes (fewer, larger matmuls,
 # half the per-op overhead), for ~0.3 GB more activations on SmolLM2
 CPU_PASS_TOKENS = 1024
-# a group's completions share their prompt's forward (checked equal to one row per completion there)
-SHARED_PROMPT_MODELS = ("llama",)
 
 
 def train_grpo(cfg, resume: str | None = None, log=print) -> TrainResult:
@@ -85,7 +83,7 @@ def train_grpo(cfg, resume: str | None = None, log=print) -> TrainResult:
                    **g.policy_loss_params}
     correction = (g.importance_correction, g.importance_correction_max, g.importance_correction_min)
     scorer = Scorer(model)
-    share_prompts = scorer.fused and model.config.model_type in SHARED_PROMPT_MODELS
+    share_prompts = scorer.shares_prompts
     reference = load_reference(cfg, tok, run.device, log) if g.kl_coefficient > 0 and cfg.reference else None
     fingerprints = {"data": fingerprint_path(resolve_data_path(g.prompts))}
     if ev is not None:

@@ -45,7 +45,6 @@ from retrograd.train.setup import (TrainResult, check_resumable, evaluation_due,
                                    record_eval, resolve_resume, restore, save_checkpoint, schedule_state, start_run)
 
 CPU_PASS_TOKENS = 1024
-SHARED_PROMPT_MODELS = ("llama",)
 
 
 def train_ppo(cfg, resume: str | None = None, log=print) -> TrainResult:
@@ -75,7 +74,7 @@ def train_ppo(cfg, resume: str | None = None, log=print) -> TrainResult:
     if not scorer.fused:
         raise ConfigError(f"{cfg.source}: PPO's critic reads the final hidden states through the fused LM head; "
                           f"{model.config.model_type}'s head is not a plain linear layer")
-    share_prompts = model.config.model_type in SHARED_PROMPT_MODELS
+    share_prompts = scorer.shares_prompts
     critic = None
     if critic_cfg.enabled and critic_cfg.critic == "model":
         critic = ModelCritic(critic_cfg, tr.seed, tok, run.device, log)

@@ -2,8 +2,9 @@
 
 A step takes `pairs_per_step` pairs; each forward/backward pass holds whole pairs (both sides), as
 many as fit in the pass token budget. The policy's summed response log-probabilities S come from
-the fused chunked head (no [B, T, V] logits); the loss (algorithms/preference.py) is averaged over
-the step's pairs, so accumulation over passes gives the same update as one pass.
+the fused chunked head (no [B, T, V] logits), with each pair's prompt run once for both of its
+sides (`pair_logprobs`); the loss (algorithms/preference.py) is averaged over the step's pairs, so
+accumulation over passes gives the same update as one pass.
 
 The reference (DPO/IPO) is scored once before the first step: the policy as it starts
 (`reference = "initial"`), the base model with the adapter disabled (`"base"`), or
@@ -18,14 +19,32 @@ import torch
 
 from retrograd.algorithms.preference import NEEDS_REFERENCE, PreferenceParams, preference_loss
 from retrograd.checkpoint.fingerprint import fingerprint_path
-from retrograd.data.preference import Pair, flatten, load_pairs, response_lengths, split_pairs
+from retrograd.data.preference import Pair, flatten, load_pairs, prompt_length, response_lengths, split_pairs
 from retrograd.data.sampler import evenly_spaced
-from retrograd.data.sft import Renderer, collate, resolve_data_path
+from retrograd.data.sft import IGNORE, Renderer, collate, resolve_data_path
 from retrograd.errors import ConfigError
 from retrograd.models.logprobs import Scorer, to_device
 from retrograd.train import reference_cache
 from retrograd.train.offline import train_offline
 from retrograd.train.setup import Run, TrainResult
+
+
+def pair_logprobs(scorer: Scorer, pairs: list[Pair], pad_id: int, device) -> torch.Tensor:
+    """[2 x len(pairs)] float32 summed response log-probs, (chosen, rejected) per pair in order. A
+    pair's two sides share their prompt token for token (data/preference.py checks it), so where the
+    model allows it the prompt runs once for both sides, and the prompts' common prefix (a chat
+    template's system prompt) once for the whole pass: same values as one row per side (tested)."""
+    if not scorer.shares_prompts:
+        return scorer.sequence_logprobs(to_device(collate(flatten(pairs), pad_id), device))
+    prompts, completions, scored = [], [], []
+    for pair in pairs:
+        k = prompt_length(pair.chosen)
+        prompts.append(pair.chosen.input_ids[:k])
+        for side in (pair.chosen, pair.rejected):
+            completions.append(side.input_ids[k:])
+            scored.append([label != IGNORE for label in side.labels[k:]])
+    owner = [i for i in range(len(pairs)) for _ in range(2)]
+    return scorer.shared_prompt_sums(prompts, completions, owner, scored, pad_id)
 
 
 def score_pairs(scorer: Scorer, model, pairs: list[Pair], pass_tokens, pad_id: int, device) -> torch.Tensor:
@@ -35,7 +54,7 @@ def score_pairs(scorer: Scorer, model, pairs: list[Pair], pass_tokens, pad_id: i
     out = []
     with torch.no_grad():
         for chunk in split_pairs(pairs, pass_tokens):
-            s = scorer.sequence_logprobs(to_device(collate(flatten(chunk), pad_id), device)).double().cpu()
+            s = pair_logprobs(scorer, chunk, pad_id, device).double().cpu()
             out.append(s.view(-1, 2))
     model.train(was_training)
     return torch.cat(out) if out else torch.zeros(0, 2, dtype=torch.float64)
@@ -141,7 +160,7 @@ class PreferenceTask:
         stats: dict[str, list[torch.Tensor]] = {}
         losses, n_tokens = [], 0
         for chunk in split_pairs(pairs, self.s.pass_tokens):
-            logps = self.scorer.sequence_logprobs(to_device(collate(flatten(chunk), self.pad_id), self.s.device)).cpu()
+            logps = pair_logprobs(self.scorer, chunk, self.pad_id, self.s.device).cpu()
             ref = self.ref_train[[p.index for p in chunk]] if self.ref_train is not None else None
             loss, st = self._loss(chunk, logps, ref)
             (loss.sum() / len(pairs) * self.loss_scale).backward()
@@ -175,7 +194,7 @@ class PreferenceTask:
         losses, done = [], 0
         with torch.no_grad():
             for chunk in split_pairs(self.eval_rows, self.s.pass_tokens):
-                logps = self.scorer.sequence_logprobs(to_device(collate(flatten(chunk), self.pad_id), self.s.device)).cpu()
+                logps = pair_logprobs(self.scorer, chunk, self.pad_id, self.s.device).cpu()
                 # ref_eval rows follow eval_rows (the evaluated subset), in order
                 ref = self.ref_eval[done:done + len(chunk)] if self.ref_eval is not None else None
                 done += len(chunk)
