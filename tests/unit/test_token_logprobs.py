@@ -41,3 +41,26 @@ def test_no_grad_path():
     h, w, y = torch.randn(5, 4), torch.randn(7, 4), torch.randint(0, 7, (5,))
     with torch.no_grad():
         assert torch.allclose(linear_token_logprobs(h, w, y, 2), reference(h, w, y), atol=1e-6)
+
+
+def test_unlikely_targets_and_bf16_inputs_stay_exact():
+    """The in-place softmax reads log p(y) before its exponentials: a target ~200 nats below the
+    best token (whose exp underflows to 0 in float32) still gets its exact log-probability and a
+    finite gradient; bf16 hidden states get float32 log-probabilities."""
+    torch.manual_seed(0)
+    w = torch.randn(50, 8)
+    h = torch.randn(3, 8, requires_grad=True)
+    y = torch.tensor([1, 2, 3])
+    with torch.no_grad():
+        w[2] = -40 * h[1].sign() * 1.0  # token 2 is hopeless for row 1
+    got = linear_token_logprobs(h, w, y, chunk_size=2)
+    want = torch.log_softmax(h @ w.t(), -1).gather(1, y[:, None]).squeeze(1)
+    assert want[1] < -150 and torch.isfinite(got).all()
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-5)
+    got.sum().backward()
+    assert torch.isfinite(h.grad).all()
+    hb = h.detach().bfloat16().requires_grad_()
+    lb = linear_token_logprobs(hb, w.bfloat16(), y)
+    assert lb.dtype == torch.float32
+    ref = torch.log_softmax((hb.float() @ w.bfloat16().float().t()), -1).gather(1, y[:, None]).squeeze(1)
+    assert torch.allclose(lb, ref, atol=0.5, rtol=0.02)
