@@ -130,7 +130,7 @@ log_every = 1
     events, t0 = [], time.perf_counter()
 
     def log(msg):
-        events.append({"t": time.perf_counter() - t0, "wall": time.time(), "msg": str(msg)[:120],
+        events.append({"t": time.perf_counter() - t0, "wall": time.time(), "msg": str(msg)[:400],
                        "rss": self_peak_rss_mb()})
         print(msg, flush=True)
 

@@ -15,9 +15,7 @@ Same pass size on both paths, so the difference is the service's overhead and no
 default `retrograd train` on CPU runs a step in passes of training.micro_batch = 512 tokens, while
 the server computes a request's datums in passes of up to retrograd.service.engine.PASS_TOKENS =
 4096. Here both are set to --pass-tokens (default 1024: the 4 x 256 rows in one pass): micro_batch
-in the run's TOML, and PASS_TOKENS in the server process, which is started through a two-line
-bootstrap that sets the module constant before `retrograd serve` runs (the server has no option for
-it). The client checks that both paths cut every step into the same passes (rows per pass).
+in the run's TOML, and `retrograd serve --pass-tokens` in the server process. The client checks that both paths cut every step into the same passes (rows per pass).
 
 Fairness (benchmarks/common.py): the two sides interleaved (--repeats each, default 3) with the
 load average before each run, median and min-max of each run's steady tokens/s (steps 2+). Every
@@ -57,23 +55,15 @@ SMOKE = {"seq": 64, "steps": 4, "repeats": 2, "lr": 1e-2}
 LOSS_TOL = 1e-5
 REPEAT_TOL = 1e-6
 SIDES = ("retrograd", "service")
-# `retrograd serve` with the engine's pass size set first; fails if the constant has gone
-SERVER_BOOT = ("import sys; import retrograd.service.engine as e\n"
-               "assert hasattr(e, 'PASS_TOKENS'), 'retrograd.service.engine.PASS_TOKENS is gone: update bench_service'\n"
-               "e.PASS_TOKENS = int(sys.argv[1]); print(f'bench_service: server passes of {e.PASS_TOKENS} tokens', "
-               "file=sys.stderr, flush=True)\n"
-               "from retrograd.cli.main import main; sys.exit(main(sys.argv[2:]))")
-
-
 def start_server(s: dict, work: Path):
-    cmd = [sys.executable, "-c", SERVER_BOOT, str(s["micro_batch"]), "serve", "--port", "0",
+    cmd = [sys.executable, "-m", "retrograd", "serve", "--pass-tokens", str(s["micro_batch"]), "--port", "0",
            "--state-dir", str(work / "state"), "--models", s["model"], "--threads", str(THREADS),
            "--lora-alpha", str(LORA_ALPHA)]
     server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, **CHILD_ENV})
     url, pass_line = None, None
     for line in server.stderr:
         print(line, end="", flush=True)
-        pass_line = pass_line or re.search(r"server passes of (\d+) tokens", line)
+        pass_line = pass_line or re.search(r"passes of at most (\d+) tokens", line)
         m = re.search(r"retrograd serve: (http://\S+)", line)
         if m:
             url = m.group(1)

@@ -192,7 +192,7 @@ def worker_retrograd(s: dict, work: Path) -> dict:
 
     def log(msg):
         events.append({"t": round(time.perf_counter() - t0, 2), "peak_rss_mb": round(self_peak_rss_mb(), 1),
-                       "msg": str(msg)[:120]})
+                       "msg": str(msg)[:400]})
         print(msg, flush=True)
 
     result = train_sft(load_config(work / "run.toml"), log=log)

@@ -50,6 +50,10 @@ def add_parsers(sub) -> None:
                    help="num_samples x max_tokens of one sampling request (65536)")
     s.add_argument("--max-batch-tokens", type=int, default=1 << 17, metavar="N",
                    help="input tokens of one forward_backward request (131072)")
+    s.add_argument("--pass-tokens", type=int, default=None, metavar="N",
+                   help="tokens per forward/backward pass: a request's datums are computed in passes of at "
+                        "most N tokens (a longer datum gets a pass of its own); fewer tokens, less activation "
+                        "memory (4096)")
     ks = s.add_subparsers(dest="serve_command", metavar="SUBCOMMAND")
     keys = ks.add_parser("keys", help="manage API keys").add_subparsers(dest="keys_command", metavar="ACTION",
                                                                      required=True)
@@ -150,6 +154,12 @@ def run_serve(args) -> int:
     if args.public_url and not args.public_url.startswith(("http://", "https://")):
         raise ConfigError(f"--public-url {args.public_url!r} must start with http:// or https://")
     configure_torch(args.threads)
+    if args.pass_tokens is not None:
+        if args.pass_tokens < 1:
+            raise ConfigError(f"--pass-tokens {args.pass_tokens}: must be at least 1")
+        from retrograd.service import engine
+        engine.PASS_TOKENS = args.pass_tokens
+        log(f"passes of at most {args.pass_tokens} tokens")
     policies = _parse_policies(args.policy)
     names = args.models or [DEFAULT_MODEL]
     unknown = sorted(set(policies) - set(names))

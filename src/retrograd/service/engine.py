@@ -31,7 +31,9 @@ from retrograd.rl.sampler import eos_ids, sample, stop_string_check
 
 ATTN = ("q", "k", "v", "o")
 MLP = ("ffn_gate", "ffn_up", "ffn_down")
-PASS_TOKENS = 4096  # tokens per forward/backward pass; a request's datums are split to fit
+# tokens per forward/backward pass; a request's datums are split to fit (`retrograd serve
+# --pass-tokens` sets it once at start-up: fewer tokens, less activation memory per pass)
+PASS_TOKENS = 4096
 
 
 class UserError(ValueError):
