@@ -9,6 +9,7 @@ ratios between sides.
     python benchmarks/report.py                       # print every table
     python benchmarks/report.py sft_lora dpo          # some of them
     python benchmarks/report.py --write benchmarks/README.md
+    python benchmarks/report.py summary --write README.md   # the headline table of the top README
 
 --write replaces the text between `<!-- report:KIND -->` and `<!-- /report:KIND -->` in that file
 with KIND's table (a kind with no result yet says so); nothing else in the file changes.
@@ -64,6 +65,48 @@ KINDS = {
                  ("sampling_tokens_per_s", "sampling tokens/s", 0), ("peak_rss_mb", "peak RSS MB", 0)]},
 }
 KINDS["sft_full"] = {**KINDS["sft_lora"], "title": "SFT full fine-tune, retrograd vs TRL SFTTrainer"}
+
+# the summary (top-level README): per benchmark, its headline comparisons
+# (label, kind, ours, theirs, metric, higher_is_better)
+HEADLINES = [
+    ("SFT LoRA, tokens/s", "sft_lora", "retrograd", "trl", "tokens_per_s", True),
+    ("SFT full fine-tune, tokens/s", "sft_full", "retrograd", "trl", "tokens_per_s", True),
+    ("DPO LoRA, pairs/s per step", "dpo", "retrograd", "trl", "pairs_per_s", True),
+    ("DPO LoRA, pairs/s end to end (1 epoch, reference included)", "dpo", "retrograd", "trl",
+     "pairs_per_s_end_to_end", True),
+    ("DPO LoRA vs TRL precompute_ref_log_probs, pairs/s end to end", "dpo", "retrograd", "trl_precompute",
+     "pairs_per_s_end_to_end", True),
+    ("GRPO LoRA fp32, seconds per update", "grpo", "retrograd", "trl", "s_per_update", False),
+    ("GRPO LoRA bf16, seconds per update", "grpo", "retrograd_bf16", "trl_bf16", "s_per_update", False),
+    ("On-policy distillation, seconds per update", "distill", "retrograd", "trl", "s_per_update", False),
+    ("Service (SDK -> serve) vs retrograd train, tokens/s", "service", "service", "retrograd", "tokens_per_s", True),
+]
+
+
+def render_summary(folder: Path = RESULTS) -> str:
+    """One table over every benchmark's newest result: the headline metric of both sides (median),
+    how many times faster ours is, the peak-RSS ratio, the CPU and the result file."""
+    lines = ["| comparison | ours | theirs | speed-up | peak RSS ours / theirs | CPU, fp32 matmul peak | result |",
+             "|---|---|---|---|---|---|---|"]
+    for label, kind, ours, theirs, metric, higher in HEADLINES:
+        path = newest(kind, folder)
+        if path is None:
+            lines.append(f"| {label} | - | - | - | - | - | no result yet |")
+            continue
+        try:
+            r = json.loads(path.read_text())
+            a, b = r["summary"][ours][metric]["median"], r["summary"][theirs][metric]["median"]
+            speed = a / b if higher else b / a
+            ra, rb = (r["summary"][k].get("peak_rss_mb", {}).get("median") for k in (ours, theirs))
+            m = r.get("machine") or {}
+            peak = (m.get("matmul_gflops") or {}).get("fp32") or r.get("matmul_gflops")
+            cpu = (m.get("cpu") or r.get("cpu") or "?") + (f", {peak:.0f} GFLOP/s" if peak else "")
+            digits = 1 if b >= 100 else 2 if b >= 10 else 3
+            lines.append(f"| {label} | {a:.{digits}f} | {b:.{digits}f} | **{speed:.2f}×** | "
+                         f"{f'{ra / rb:.2f}×' if ra and rb else '-'} | {cpu} | `{path.name}` |")
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+            lines.append(f"| {label} | - | - | - | - | - | `{path.name}`: {type(e).__name__} |")
+    return "\n".join(lines)
 
 
 def newest(kind: str, folder: Path = RESULTS) -> Path | None:
@@ -161,6 +204,8 @@ def render(r: dict, path: Path | None = None, kind: str | None = None) -> str:
 
 
 def render_kind(kind: str, folder: Path = RESULTS) -> str:
+    if kind == "summary":
+        return render_summary(folder)
     path = newest(kind, folder)
     if path is None:
         return f"No result yet (run the benchmark; it writes `benchmarks/results/{kind}_<timestamp>.json`)."
@@ -193,7 +238,7 @@ def main() -> None:
     p.add_argument("--results", type=Path, default=RESULTS, help="folder of result files (benchmarks/results)")
     p.add_argument("--write", type=Path, metavar="FILE", help="fill the <!-- report:KIND --> blocks of FILE")
     args = p.parse_args()
-    unknown = [k for k in args.kinds if k not in KINDS]
+    unknown = [k for k in args.kinds if k not in KINDS and k != "summary"]
     if unknown:
         p.error(f"unknown kinds {unknown}; known: {', '.join(KINDS)}")
     if args.write:

@@ -154,3 +154,14 @@ def test_write_sections_replaces_only_between_markers(tmp_path):
     again = readme.read_text()
     report.write_sections(readme, results)  # idempotent
     assert readme.read_text() == again
+
+
+def test_summary_table_takes_each_benchmarks_headline(tmp_path):
+    r = synthetic_sft(250.0, 100.0)
+    r["summary"]["retrograd"]["peak_rss_mb"] = {"median": 1500.0}
+    r["summary"]["trl"]["peak_rss_mb"] = {"median": 3000.0}
+    (tmp_path / "sft_lora_20261201_100000.json").write_text(json.dumps(r))
+    text = report.render_kind("summary", tmp_path)
+    line = next(x for x in text.splitlines() if x.startswith("| SFT LoRA"))
+    assert "| 250.0 | 100.0 | **2.50×** | 0.50× | Test CPU, 180 GFLOP/s | `sft_lora_20261201_100000.json` |" in line
+    assert "| DPO LoRA, pairs/s per step | - | - | - | - | - | no result yet |" in text
