@@ -60,7 +60,7 @@ BUILTIN = "smollm2-135m-instruct"
 BATCH, SEQ, SEED, LR = 4, 256, 0, 2e-4
 LR_BY_MODE = {"lora": 2e-4, "full": 1e-5}
 LORA_R, LORA_ALPHA, LORA_TARGETS = 8, 16, ["q_proj", "k_proj", "v_proj", "o_proj"]
-MICRO_BATCH = 1024  # retrograd's CPU default pass for SFT (tokens), written out so the setting is visible
+MICRO_BATCH = 512  # retrograd's CPU default pass for SFT (tokens), written out so the setting is visible
 # Smoke: a tiny random model learns fast only with a larger lr, and a loss that moves is what makes
 # the step-by-step check mean something
 SMOKE = {"seq": 64, "steps": 4, "repeats": 2, "lr": {"lora": 1e-2, "full": 1e-3}}

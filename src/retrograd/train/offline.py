@@ -42,12 +42,10 @@ from retrograd.train.setup import (Run, TrainResult, check_resumable, evaluation
 COUNT_METRICS = {"train/tokens", "train/target_tokens", "preference/pairs_per_step"}
 
 
-def train_offline(cfg, make_task: Callable[[Run], object], resume: str | None = None, log=print,
-                  cpu_pass_tokens: int = 512) -> TrainResult:
-    """`cpu_pass_tokens`: the family's default pass budget on CPU (training.micro_batch overrides it)."""
+def train_offline(cfg, make_task: Callable[[Run], object], resume: str | None = None, log=print) -> TrainResult:
     tr, ev, ck = cfg.training, cfg.evaluation, cfg.checkpoint
     resume_path = resolve_resume(cfg, resume)
-    run = start_run(cfg, log, cpu_pass_tokens)
+    run = start_run(cfg, log)
     task = make_task(run)
     total_steps = tr.max_steps or task.epochs * steps_per_epoch(len(task.rows), task.rows_per_step)
     meta = run_meta(run.cfg, {"model": run.loaded.fingerprint, **task.fingerprints}, trajectory_settings(run.cfg),

@@ -18,11 +18,6 @@ from retrograd.train.setup import Run, TrainResult
 
 SftResult = TrainResult  # the name earlier versions exported
 
-# default training.micro_batch on CPU. SmolLM2 LoRA, 4 x 256 tokens a step, interleaved in one
-# process: 1024-token passes 4.18 s a step, 512: 4.38 s, 256: 4.43 s (fewer, larger matmuls), at
-# peak RSS 2.74 / 2.25 / 1.58 GB. Speed first; micro_batch = 256 is the memory setting.
-CPU_PASS_TOKENS = 1024
-
 
 def evaluate(scorer: Scorer, model, examples: list[Example], batch_size: int, pad_id: int, device) -> float:
     """Mean next-token loss over every trained token of `examples`."""
@@ -88,4 +83,4 @@ class SftTask:
 
 
 def train_sft(cfg, resume: str | None = None, log=print) -> TrainResult:
-    return train_offline(cfg, SftTask, resume, log, CPU_PASS_TOKENS)
+    return train_offline(cfg, SftTask, resume, log)
