@@ -34,7 +34,7 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplie
 # ~20 ms with backward on SmolLM2); it pays once it saves this many prompt tokens
 MIN_SHARED_PREFIX_SAVING = 16
 # architectures whose forward on a KV cache was checked equal to one full row per completion
-# (values and gradients: tests/unit/test_shared_prompt*.py); others score one row per sequence
+# (values and gradients: tests/unit/test_grpo_logprobs.py, test_preference_logprobs.py); others score one row per sequence
 SHARED_PROMPT_MODELS = ("llama",)
 
 
