@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from torch.autograd.graph import increment_version
 
 
 def build_optimizer(params: list[torch.nn.Parameter], tr) -> torch.optim.Optimizer:
@@ -9,8 +10,30 @@ def build_optimizer(params: list[torch.nn.Parameter], tr) -> torch.optim.Optimiz
     weight_decay."""
     if tr.optimizer == "sgd":
         return torch.optim.SGD(params, lr=tr.lr, weight_decay=tr.weight_decay)
-    return torch.optim.AdamW(params, lr=tr.lr, betas=(tr.adam_beta1, tr.adam_beta2), eps=tr.adam_epsilon,
-                             weight_decay=tr.weight_decay)
+    fused = fused_adamw_applies(params)
+    optimizer = torch.optim.AdamW(params, lr=tr.lr, betas=(tr.adam_beta1, tr.adam_beta2), eps=tr.adam_epsilon,
+                                  weight_decay=tr.weight_decay, fused=fused)
+    if fused:
+        optimizer.register_step_post_hook(_bump_param_versions)
+    return optimizer
+
+
+def fused_adamw_applies(params: list[torch.nn.Parameter]) -> bool:
+    """AdamW's fused kernel: one pass per tensor instead of a dozen elementwise ops, ~8x faster per
+    step on CPU (a full fine-tune of SmolLM2-135M spends ~0.8 s per step in the for-loop AdamW at one
+    thread) and the same update to float32 rounding (1.5e-8 after three steps; in bf16 it rounds once
+    instead of per op). Not for sharded (DTensor) parameters, whose fused path is not supported on
+    every backend, nor for devices other than CPU and CUDA."""
+    return bool(params) and all(p.device.type in ("cpu", "cuda") and not hasattr(p, "full_tensor")
+                                and p.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+                                for p in params)
+
+
+def _bump_param_versions(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """The fused kernel writes the weights through raw pointers, so their version counters stay put;
+    anything that caches a copy of a weight keyed on its version (the RL decoder's packed weights,
+    rl/decoder._prepared) would go on using the old copy. Bump them as an in-place op would."""
+    increment_version([p for group in optimizer.param_groups for p in group["params"]])
 
 
 def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> float:
