@@ -47,6 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_sft  # noqa: E402
+import common  # noqa: E402
 from bench_sft import (LORA_ALPHA, LORA_R, LORA_TARGETS, THREADS, cpu_model,  # noqa: E402
                        load_trl_model, self_peak_rss_mb, versions, worker_prepare, write_json)
 
@@ -278,7 +279,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=int(os.environ.get("STEPS", 6)))
     p.add_argument("--repeats", type=int, default=3, help="runs of each side per precision, interleaved (>= 3)")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--out", help="results folder (default benchmarks/results)")
     p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     for internal in ("--work", "--data", "--gguf", "--result"):
         p.add_argument(internal, help=argparse.SUPPRESS)
@@ -288,21 +289,27 @@ def main() -> None:
         out["worker_peak_rss_mb"] = self_peak_rss_mb()
         write_json(Path(args.result), out)
         return
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    peak, peak_bf16 = matmul_gflops(), bf16_matmul_gflops()
+    common.warn_if_busy()
+    load = {"start": common.load_average()}
+    peak_both = common.matmul_peak()
+    peak, peak_bf16 = peak_both["fp32"], peak_both["bf16"]
+    print(f"matmul peak ({THREADS} threads): fp32 {peak:.0f}, bf16 {peak_bf16:.0f} GFLOP/s", flush=True)
     runs: dict[str, list[dict]] = {k: [] for pair in PAIRS for k in pair}
+    order = []
     with tempfile.TemporaryDirectory(prefix="bench_grpo-") as tmp_name:
         tmp = Path(tmp_name)
         data = tmp / "prompts.jsonl"
         write_prompts(data)
         prep = spawn("prepare", tmp / "prepare", args.steps, data)
+
+        def one(kind, i):
+            r = spawn(kind, tmp / f"{kind}-{i}", args.steps, data, prep["gguf"])
+            check_same_work(kind, r, args.steps)
+            return r
         for pair in PAIRS:  # A B A B ...: drift of the machine hits both sides alike
-            for i in range(args.repeats):
-                for kind in pair:
-                    r = spawn(kind, tmp / f"{kind}-{i}", args.steps, data, prep["gguf"])
-                    check_same_work(kind, r, args.steps)
-                    runs[kind].append(r)
+            pair_runs, pair_order = common.run_interleaved(list(pair), args.repeats, one)
+            runs.update(pair_runs)
+            order += pair_order
     n_matmul = runs["retrograd"][0]["matmul_params"]
     summary = {}
     for kind, rs in runs.items():
@@ -317,8 +324,7 @@ def main() -> None:
                             "training_s": mean("training_s"), "sampling_tokens_per_s": tps,
                             "sampling_share_of_matmul_peak": tps * 2 * n_matmul / 1e9 / (peak_bf16 if "bf16" in kind else peak),
                             "peak_rss_mb": max(r["process_peak_rss_mb"], r["worker_peak_rss_mb"])})
-        summary[kind] = {key: dict(zip(("median", "min", "max"), median_spread([x[key] for x in per_run])))
-                         for key in per_run[0]}
+        summary[kind] = {key: common.stats([x[key] for x in per_run]) for key in per_run[0]}
         summary[kind]["mean_match_reward"] = statistics.mean(x for r in rs for x in r["reward"])
     print(f"\nGRPO LoRA r={LORA_R} q,k,v,o | SmolLM2-135M | {PROMPTS} prompts x {GENS} completions x <= {MAX_NEW} "
           f"tokens | {args.steps} updates (mean of 2+), median of {args.repeats} interleaved runs (min-max) | "
@@ -338,10 +344,17 @@ def main() -> None:
                   f"({b['min']:.3f}-{b['max']:.3f})   {ratio:5.2f}x")
     print("\n(ratios: how many times faster / smaller retrograd is; the losses of every update matched their "
           f"objective within {LOSS_TOLERANCE} and both sides trained all {PROMPTS * GENS} completions)")
-    name = out_dir / f"grpo_{time.strftime('%Y%m%d_%H%M%S')}.json"
-    write_json(name, {"summary": summary, "ratios": ratios, "raw": runs, "matmul_gflops": peak,
-                      "matmul_gflops_bf16": peak_bf16, "versions": versions(), "cpu": cpu_model(),
-                      "steps": args.steps, "repeats": args.repeats})
+    checks = {"loss": f"every update's logged loss equals -sum_i A_i n_i / sum_i n_i from the side's own completions "
+                      f"within {LOSS_TOLERANCE} x max(1, |loss|)",
+              "trained_completions": {k: sorted({n for r in rs for n in r["trained_completions"]}) for k, rs in runs.items()}}
+    name = common.write_result("grpo", {
+        "machine": common.machine(peak_both), "load_average": {**load, "before_runs": order},
+        "settings": {"prompts": PROMPTS, "completions_per_prompt": GENS, "max_new_tokens": MAX_NEW, "lr": LR,
+                     "seed": SEED, "steps": args.steps, "repeats": args.repeats, "threads": THREADS,
+                     "lora": dict(r=LORA_R, alpha=LORA_ALPHA, dropout=0.0, targets=LORA_TARGETS), "steady": "updates 2+"},
+        "summary": summary, "ratios": ratios, "checks": checks, "raw": runs,
+        "matmul_gflops": peak, "matmul_gflops_bf16": peak_bf16, "steps": args.steps, "repeats": args.repeats},
+        Path(args.out) if args.out else None)
     print(f"wrote {name}")
 
 

@@ -363,6 +363,9 @@ def per_run_metrics(flops: float, peak_fp32: float) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mode", choices=("lora", "full"), default="lora", help="LoRA (default) or full fine-tune")
+    p.add_argument("--micro-batch", type=int, default=MICRO_BATCH,
+                   help=f"retrograd's [training] micro_batch, tokens per pass (default {MICRO_BATCH}, its CPU default); "
+                        "another value writes sft_<mode>-pass<N>_<timestamp>.json, which report.py leaves out")
     add_common_args(p, 20, WORKERS)
     args = p.parse_args()
     if args.worker:
@@ -372,7 +375,7 @@ def main() -> None:
     repeats = args.repeats or (SMOKE["repeats"] if args.smoke else 3)
     if steps < 2:
         p.error("--steps must be at least 2 (step 1 is warm-up and is left out of the steady figure)")
-    name = f"sft_{args.mode}"
+    name = f"sft_{args.mode}" + ("" if args.micro_batch == MICRO_BATCH else f"-pass{args.micro_batch}")
     common.warn_if_busy()
     load = {"start": common.load_average()}
     peak = common.matmul_peak()
@@ -380,7 +383,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_sft-") as tmp_name:
         tmp = Path(tmp_name)
         s = {"mode": args.mode, "smoke": args.smoke, "steps": steps, "batch": BATCH,
-             "seq": SMOKE["seq"] if args.smoke else SEQ, "micro_batch": MICRO_BATCH,
+             "seq": SMOKE["seq"] if args.smoke else SEQ, "micro_batch": args.micro_batch,
              "lr": SMOKE["lr"][args.mode] if args.smoke else LR_BY_MODE[args.mode], "data": str(tmp / "train.jsonl")}
         write_data(Path(s["data"]), steps * BATCH)
         settings = tmp / "settings.json"

@@ -94,27 +94,35 @@ class Run:
         """Per-datum target log-probs and {"loss:sum": total}; accumulates gradients unless
         forward_only. `custom` (loss_fn "custom"): a server-side custom loss (service/custom_loss.py),
         whose own metrics are returned too."""
-        from retrograd.service import custom_loss
         config = resolve_config(loss_fn, loss_fn_config) if custom is None else {}
         checked = [_check_datum(i, d, "cross_entropy" if custom is not None else loss_fn,
                                 self.base.model.config.vocab_size, self.base.max_context) for i, d in enumerate(data)]
         outputs, total, extra = [None] * len(data), 0.0, {}
         for chunk in _chunks(checked, PASS_TOKENS):
-            with torch.set_grad_enabled(not forward_only):
-                rows = [(checked[i][0], checked[i][1]["target_tokens"]) for i in chunk]
-                lps = Scorer(self.model).target_logprobs(rows)
-                if custom is None:
-                    loss = sum(datum_loss(loss_fn, lp, checked[i][1], config) for i, lp in zip(chunk, lps))
-                else:
-                    loss, metrics = custom_loss.run(custom, lps, [checked[i][1] for i in chunk])
-                    for k, v in metrics.items():  # means weighted by their chunk's datums
-                        extra[k] = extra.get(k, 0.0) + (v * len(chunk) / len(data) if k.endswith(":mean") else v)
-                if not forward_only and loss.requires_grad:
-                    loss.backward()
-            total += float(loss.detach())
+            loss, lps, metrics = self._pass(checked, chunk, loss_fn, config, forward_only, custom)
+            for k, v in metrics.items():  # means weighted by their chunk's datums
+                extra[k] = extra.get(k, 0.0) + (v * len(chunk) / len(data) if k.endswith(":mean") else v)
+            total += loss
             for i, lp in zip(chunk, lps):
-                outputs[i] = lp.detach().float().numpy()
+                outputs[i] = lp
         return outputs, {"loss:sum": total, **extra}
+
+    def _pass(self, checked, chunk, loss_fn, config, forward_only, custom):
+        """One pass over the datums `chunk`: (its loss, their log-probs as numpy, a custom loss's metrics).
+        Its own function so that the pass's graph dies before the next pass allocates (why:
+        train/sft.py SftTask._pass_backward)."""
+        from retrograd.service import custom_loss
+        metrics = {}
+        with torch.set_grad_enabled(not forward_only):
+            rows = [(checked[i][0], checked[i][1]["target_tokens"]) for i in chunk]
+            lps = Scorer(self.model).target_logprobs(rows)
+            if custom is None:
+                loss = sum(datum_loss(loss_fn, lp, checked[i][1], config) for i, lp in zip(chunk, lps))
+            else:
+                loss, metrics = custom_loss.run(custom, lps, [checked[i][1] for i in chunk])
+            if not forward_only and loss.requires_grad:
+                loss.backward()
+        return float(loss.detach()), [lp.detach().float().numpy() for lp in lps], metrics
 
     def optim_step(self, lr: float, beta1: float, grad_clip_norm: float, beta2: float = 0.95, eps: float = 1e-12,
                    weight_decay: float = 0.0) -> dict:

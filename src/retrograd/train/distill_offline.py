@@ -209,15 +209,20 @@ class TopkTask:
             micro = rows[i:i + self.tr.batch_size]
             by_example = {id(e): (j, e) for j, e in micro}
             for chunk in split_by_tokens([e for _, e in micro], self.run.pass_tokens):
-                batch = to_device(collate(chunk, self.pad_id), self.run.device)
-                h, _ = select_targets(self.scorer.hidden(batch), batch["labels"])
-                ids, logp = self._targets("train", [by_example[id(e)] for e in chunk])
-                loss = linear_topk_kl_sum(h, self.scorer.head.weight, ids, logp, CE_CHUNK_ROWS)
-                (loss / n_targets).backward()
-                loss_sum += float(loss.detach())
+                loss_sum += self._pass_backward(chunk, [by_example[id(e)] for e in chunk], n_targets)
                 n_tokens += sum(len(e.input_ids) for e in chunk)
         return {"train/loss": loss_sum / n_targets, "distill/topk_kl": loss_sum / n_targets, "train/tokens": n_tokens,
                 "train/target_tokens": n_targets, "distill/topk_entries": self.k}
+
+    def _pass_backward(self, chunk: list, indexed: list, n_targets: int) -> float:
+        """One pass's forward and backward; returns its summed KL. Its own function so that the pass's
+        graph dies before the next pass allocates (why: train/sft.py SftTask._pass_backward)."""
+        batch = to_device(collate(chunk, self.pad_id), self.run.device)
+        h, _ = select_targets(self.scorer.hidden(batch), batch["labels"])
+        ids, logp = self._targets("train", indexed)
+        loss = linear_topk_kl_sum(h, self.scorer.head.weight, ids, logp, CE_CHUNK_ROWS)
+        (loss / n_targets).backward()
+        return float(loss.detach())
 
     def loss_weight(self, rows: list) -> float:
         return float(sum(e.n_targets for _, e in rows))  # step's loss is a mean over target tokens

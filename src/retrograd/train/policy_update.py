@@ -180,32 +180,40 @@ def epoch_backward(scorer: Scorer, batch: UpdateBatch, loss_fn, loss_params: dic
     the sampler's distribution (`correction` = (mode, max, min)). Returns (loss, per-pass stats)."""
     total, stats = 0.0, []
     for k, idx in enumerate(batch.passes):
-        logp = pass_logprobs(scorer, batch, idx)  # [b, W]
-        rows = torch.tensor(idx, device=logp.device)
-        n_completion = torch.tensor([len(batch.seqs[j][1]) for j in idx], device=logp.device)
-        mask = (n_completion[:, None] > torch.arange(batch.width, device=logp.device)[None]).to(logp.dtype)
-        first = k not in batch.old
-        if first:  # the policy before this update: "old" for every epoch
-            batch.old[k] = logp.detach()
-            batch.is_weights[k], is_stats = importance_weights(batch.old[k], batch.behaviour[rows], mask, *correction)
-        per_token, st = loss_fn(logp, batch.old[k], batch.advantages[rows].to(logp.dtype), mask, loss_params)
-        if not isinstance(per_token, torch.Tensor) or per_token.shape != logp.shape:
-            raise ValueError(f"the policy loss returned {getattr(per_token, 'shape', type(per_token).__name__)}, "
-                             f"expected a per-token tensor {tuple(logp.shape)} (and a stats dict)")
-        st = {**st, "tokens": mask.sum()}  # every loss's stats are weighted by its pass's tokens
-        per_token = per_token * batch.is_weights[k]
-        if beta > 0:
-            kl = k3_kl(logp, ref_logp[k])
-            per_token = per_token + beta * kl
-            st["kl"] = (kl.detach() * mask).sum() / mask.sum().clamp(min=1)
-        if first and correction[0] != "none":
-            st.update({f"off_policy/{n}": v for n, v in is_stats.items()})
-        loss = aggregate(per_token, mask, batch.normalisation, max_new_tokens=batch.max_new_tokens,
-                         denominator=batch.denominator)
-        loss.backward()
-        total += float(loss.detach())
+        loss, st = _pass_backward(scorer, batch, k, idx, loss_fn, loss_params, beta, ref_logp, correction)
+        total += loss
         stats.append(st)
     return total, stats
+
+
+def _pass_backward(scorer: Scorer, batch: UpdateBatch, k: int, idx: list[int], loss_fn, loss_params: dict, beta: float,
+                   ref_logp: dict | None, correction: tuple) -> tuple[float, dict]:
+    """Pass k's forward and backward: (its loss, its stats). Its own function so that the pass's graph
+    dies before the next pass allocates (why: train/sft.py SftTask._pass_backward)."""
+    logp = pass_logprobs(scorer, batch, idx)  # [b, W]
+    rows = torch.tensor(idx, device=logp.device)
+    n_completion = torch.tensor([len(batch.seqs[j][1]) for j in idx], device=logp.device)
+    mask = (n_completion[:, None] > torch.arange(batch.width, device=logp.device)[None]).to(logp.dtype)
+    first = k not in batch.old
+    if first:  # the policy before this update: "old" for every epoch
+        batch.old[k] = logp.detach()
+        batch.is_weights[k], is_stats = importance_weights(batch.old[k], batch.behaviour[rows], mask, *correction)
+    per_token, st = loss_fn(logp, batch.old[k], batch.advantages[rows].to(logp.dtype), mask, loss_params)
+    if not isinstance(per_token, torch.Tensor) or per_token.shape != logp.shape:
+        raise ValueError(f"the policy loss returned {getattr(per_token, 'shape', type(per_token).__name__)}, "
+                         f"expected a per-token tensor {tuple(logp.shape)} (and a stats dict)")
+    st = {**st, "tokens": mask.sum()}  # every loss's stats are weighted by its pass's tokens
+    per_token = per_token * batch.is_weights[k]
+    if beta > 0:
+        kl = k3_kl(logp, ref_logp[k])
+        per_token = per_token + beta * kl
+        st["kl"] = (kl.detach() * mask).sum() / mask.sum().clamp(min=1)
+    if first and correction[0] != "none":
+        st.update({f"off_policy/{n}": v for n, v in is_stats.items()})
+    loss = aggregate(per_token, mask, batch.normalisation, max_new_tokens=batch.max_new_tokens,
+                     denominator=batch.denominator)
+    loss.backward()
+    return float(loss.detach()), st
 
 
 def policy_metrics(stats: list[dict], loss: float, beta: float) -> dict:

@@ -156,15 +156,21 @@ class PreferenceTask:
         return preference_loss(self.params, s[:, 0], s[:, 1], n_c, n_r,
                                r[:, 0] if r is not None else None, r[:, 1] if r is not None else None)
 
+    def _pass_backward(self, chunk: list[Pair], n_pairs: int) -> tuple[torch.Tensor, dict]:
+        """One pass's forward and backward: (its pairs' detached losses, its stats). Its own function so
+        that the pass's graph dies before the next pass allocates (why: train/sft.py SftTask._pass_backward)."""
+        logps = pair_logprobs(self.scorer, chunk, self.pad_id, self.s.device).cpu()
+        ref = self.ref_train[[p.index for p in chunk]] if self.ref_train is not None else None
+        loss, st = self._loss(chunk, logps, ref)
+        (loss.sum() / n_pairs * self.loss_scale).backward()
+        return loss.detach(), st
+
     def step(self, pairs: list[Pair]) -> dict:
         stats: dict[str, list[torch.Tensor]] = {}
         losses, n_tokens = [], 0
         for chunk in split_pairs(pairs, self.s.pass_tokens):
-            logps = pair_logprobs(self.scorer, chunk, self.pad_id, self.s.device).cpu()
-            ref = self.ref_train[[p.index for p in chunk]] if self.ref_train is not None else None
-            loss, st = self._loss(chunk, logps, ref)
-            (loss.sum() / len(pairs) * self.loss_scale).backward()
-            losses.append(loss.detach())
+            loss, st = self._pass_backward(chunk, len(pairs))
+            losses.append(loss)
             for k, v in st.items():
                 stats.setdefault(k, []).append(v)
             n_tokens += sum(p.tokens for p in chunk)

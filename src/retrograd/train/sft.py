@@ -68,11 +68,21 @@ class SftTask:
         loss_sum, n_tokens = 0.0, 0
         for i in range(0, len(rows), self.tr.batch_size):
             for chunk in split_by_tokens(rows[i:i + self.tr.batch_size], self.run.pass_tokens):
-                loss = self.scorer.loss_sum(to_device(collate(chunk, self.pad_id), self.run.device))
-                (loss / n_targets * self.loss_scale).backward()
-                loss_sum += float(loss.detach())
+                loss_sum += self._pass_backward(chunk, n_targets)
                 n_tokens += sum(len(e.input_ids) for e in chunk)
         return {"train/loss": loss_sum / n_targets, "train/tokens": n_tokens, "train/target_tokens": n_targets}
+
+    def _pass_backward(self, chunk: list[Example], n_targets: int) -> float:
+        """One pass's forward and backward; returns its summed loss. A function of its own so that the
+        pass's autograd graph dies at the return, before the next pass's forward allocates. Held by a
+        loop variable (as `loss` was), the freed graph's thousands of small nodes stay in the heap
+        between the freed activations and split them, so the next pass could not reuse that memory:
+        +250-300 MB peak RSS for 512-token passes of SmolLM2 (2.25 GB -> 2.0 GB). Every loop that
+        runs several passes per step does the same (policy_update, preference, distill_offline, the
+        service's engine)."""
+        loss = self.scorer.loss_sum(to_device(collate(chunk, self.pad_id), self.run.device))
+        (loss / n_targets * self.loss_scale).backward()
+        return float(loss.detach())
 
     def loss_weight(self, rows: list[Example]) -> float:
         return float(sum(e.n_targets for e in rows))  # step's loss is a mean over target tokens
