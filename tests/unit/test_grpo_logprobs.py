@@ -72,3 +72,72 @@ def test_short_bf16_passes_use_eager_attention_with_the_same_values(tiny_model):
     fp32 = load_model(str(tiny_model), log=lambda *_: None).model
     with attention_for_length(fp32, 24):  # float32 gains nothing: SDPA stays
         assert fp32.config._attn_implementation == "sdpa"
+
+
+def test_pack_completions_by_hand():
+    from retrograd.models.logprobs import pack_completions
+    # prompt 0: lengths 4, 2, 3 (capacity 6): 4 first, then 2 beside it, 3 in a new row; prompt 1: 5 and 1
+    rows, width = pack_completions([0, 1, 0, 0, 1], [4, 5, 2, 3, 1], 6)
+    assert rows == [(0, [(0, 0), (2, 4)]), (0, [(3, 0)]), (1, [(1, 0), (4, 5)])]
+    assert width == 6
+    # a row never mixes prompts, and every completion is placed exactly once within the capacity
+    owner, lengths = [2, 0, 1, 0, 2, 2, 1], [7, 3, 3, 8, 1, 2, 9]
+    rows, width = pack_completions(owner, lengths, 9)
+    placed = sorted(i for _, members in rows for i, _ in members)
+    assert placed == list(range(7))
+    for o, members in rows:
+        assert all(owner[i] == o for i, _ in members)
+        ends = [at + lengths[i] for i, at in members]
+        assert max(ends) <= 9 and [at for _, at in members] == [0] + ends[:-1]  # side by side, no gaps
+    assert width == max(sum(lengths[i] for i, _ in m) for _, m in rows)
+
+
+def test_packed_attention_mask_by_hand():
+    from retrograd.models.logprobs import packed_attention_mask
+    prompt_keys = torch.tensor([[False, True, True]])  # one left-padded prompt position
+    segment = torch.tensor([[0, 0, 1, -1]])  # completion 0 (2 tokens), completion 1 (1 token), padding
+    mask = packed_attention_mask(prompt_keys, segment, torch.float32)
+    assert mask.shape == (1, 1, 4, 7)
+    seen = mask[0, 0] == 0
+    want = torch.tensor([[0, 1, 1, 1, 0, 0, 0],   # token 0 of completion 0: the prompt and itself
+                         [0, 1, 1, 1, 1, 0, 0],   # token 1: also token 0
+                         [0, 1, 1, 0, 0, 1, 0],   # completion 1: the prompt and itself, not completion 0
+                         [0, 1, 1, 0, 0, 0, 0]],  # padding: the prompt only (never a row of nothing)
+                        dtype=torch.bool)
+    assert torch.equal(seen, want)
+    assert float(mask.min()) == torch.finfo(torch.float32).min
+
+
+def test_completions_split_over_several_rows_per_prompt(tiny_model, monkeypatch):
+    """A prompt whose completions overflow one packed row gets several rows (each gathering its prompt's
+    cache): still the values and gradients of one row per completion."""
+    import retrograd.models.logprobs as logprobs
+    monkeypatch.setattr(logprobs, "PACK_ROW_TOKENS", 5)
+    loaded = load_model(str(tiny_model), log=lambda *_: None)
+    model, _ = attach_lora(loaded.model, 4, 8, ["auto"], 0.0, 0)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    scorer, pad = Scorer(model), loaded.tokenizer.pad_token_id
+    prompts = [SYSTEM + [30, 31, 32], SYSTEM + [40]]
+    completions = [[10, 20, 30], [50, 60], [70, 80, 90, 95], [5], [6, 7], [8, 9, 11]]
+    owner = [0, 0, 0, 1, 1, 1]
+    rows, _ = logprobs.pack_completions(owner, [len(c) for c in completions], 5)
+    assert sum(o == 0 for o, _ in rows) >= 2  # the split this test is about
+    coef = torch.randn(6, 4)
+    plain = scorer.token_logprobs(collate([(prompts[o], c) for o, c in zip(owner, completions)], pad), 4)
+    (plain * coef).sum().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    shared, states = scorer.shared_prompt_logprobs(prompts, completions, owner, 4, pad, states=True)
+    (shared * coef).sum().backward()
+    assert torch.allclose(shared, plain, atol=1e-6)
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert (p.grad - want[name]).norm() <= 1e-5 * want[name].norm(), name
+    # the states that predicted each token: those of a full row per completion, zero past its end
+    _, full_states = scorer.token_logprobs(collate([(prompts[o], c) for o, c in zip(owner, completions)], pad), 4,
+                                           states=True)
+    assert torch.allclose(states, full_states, atol=1e-5)
