@@ -84,29 +84,60 @@ HEADLINES = [
 
 
 def render_summary(folder: Path = RESULTS) -> str:
-    """One table over every benchmark's newest result: the headline metric of both sides (median),
-    how many times faster ours is, the peak-RSS ratio, the CPU and the result file."""
+    """One table over every benchmark's newest result on each CPU met (CPUs of one model name can
+    differ in silicon: cpu_label): the headline metric of both sides (median), how many times faster
+    ours is, the peak-RSS ratio, the CPU and the result file."""
     lines = ["| comparison | ours | theirs | speed-up | peak RSS ours / theirs | CPU, fp32 matmul peak | result |",
              "|---|---|---|---|---|---|---|"]
     for label, kind, ours, theirs, metric, higher in HEADLINES:
-        path = newest(kind, folder)
-        if path is None:
+        found = newest_per_cpu(kind, (ours, theirs), folder)
+        if not found:
             lines.append(f"| {label} | - | - | - | - | - | no result yet |")
-            continue
+        for path, r in found:
+            try:
+                a, b = r["summary"][ours][metric]["median"], r["summary"][theirs][metric]["median"]
+                speed = a / b if higher else b / a
+                ra, rb = (r["summary"][k].get("peak_rss_mb", {}).get("median") for k in (ours, theirs))
+                m = r.get("machine") or {}
+                peak = (m.get("matmul_gflops") or {}).get("fp32") or r.get("matmul_gflops")
+                cpu = cpu_label(r) + (f", {peak:.0f} GFLOP/s" if peak else "")
+                digits = 1 if b >= 100 else 2 if b >= 10 else 3
+                lines.append(f"| {label} | {a:.{digits}f} | {b:.{digits}f} | **{speed:.2f}×** | "
+                             f"{f'{ra / rb:.2f}×' if ra and rb else '-'} | {cpu} | `{path.name}` |")
+            except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+                lines.append(f"| {label} | - | - | - | - | - | `{path.name}`: {type(e).__name__} |")
+    return "\n".join(lines)
+
+
+def cpu_label(r: dict) -> str:
+    """The CPU as far as speed goes: its model name and its widest vector unit / native bf16 (two
+    "AMD EPYC" machines here differ: one with AVX-512 and bf16, one with AVX2 only)."""
+    m = r.get("machine") or {}
+    flags = m.get("flags") or {}
+    name = m.get("cpu") or r.get("cpu") or "?"
+    if not flags:
+        return name
+    unit = "AVX-512" if flags.get("avx512f") else "AVX2" if flags.get("avx2") else "no AVX2"
+    return f"{name} ({unit}{', bf16' if flags.get('avx512_bf16') or flags.get('amx_bf16') else ''})"
+
+
+def newest_per_cpu(kind: str, sides: tuple, folder: Path = RESULTS) -> list[tuple[Path, dict]]:
+    """The newest result of `kind` holding both `sides`, per CPU (cpu_label), newest first. Older files
+    that did not record the CPU's flags count only where no file did."""
+    pattern = re.compile(rf"^{re.escape(kind)}_(\d{{8}}_\d{{6}})\.json$")
+    found = sorted(((m.group(1), p) for p in folder.glob(f"{kind}_*.json") if (m := pattern.match(p.name))),
+                   reverse=True)
+    out, unflagged, seen = [], [], set()
+    for _, path in found:
         try:
             r = json.loads(path.read_text())
-            a, b = r["summary"][ours][metric]["median"], r["summary"][theirs][metric]["median"]
-            speed = a / b if higher else b / a
-            ra, rb = (r["summary"][k].get("peak_rss_mb", {}).get("median") for k in (ours, theirs))
-            m = r.get("machine") or {}
-            peak = (m.get("matmul_gflops") or {}).get("fp32") or r.get("matmul_gflops")
-            cpu = (m.get("cpu") or r.get("cpu") or "?") + (f", {peak:.0f} GFLOP/s" if peak else "")
-            digits = 1 if b >= 100 else 2 if b >= 10 else 3
-            lines.append(f"| {label} | {a:.{digits}f} | {b:.{digits}f} | **{speed:.2f}×** | "
-                         f"{f'{ra / rb:.2f}×' if ra and rb else '-'} | {cpu} | `{path.name}` |")
-        except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
-            lines.append(f"| {label} | - | - | - | - | - | `{path.name}`: {type(e).__name__} |")
-    return "\n".join(lines)
+        except ValueError:
+            continue
+        if not all(k in (r.get("summary") or {}) for k in sides) or cpu_label(r) in seen:
+            continue
+        seen.add(cpu_label(r))
+        (out if (r.get("machine") or {}).get("flags") else unflagged).append((path, r))
+    return out or unflagged
 
 
 def newest(kind: str, folder: Path = RESULTS) -> Path | None:
@@ -136,7 +167,7 @@ def machine_line(r: dict, path: Path | None) -> str:
     peak = m.get("matmul_gflops") or {"fp32": r.get("matmul_gflops"), "bf16": r.get("matmul_gflops_bf16")}
     cpu = m.get("cpu") or r.get("cpu") or "unknown CPU"
     flags = m.get("flags") or {}
-    parts = [f"{cpu}", f"{m['cpus']} CPUs" if m.get("cpus") else None, f"{m.get('threads', 2)} threads"]
+    parts = [cpu_label(r) if flags else cpu, f"{m['cpus']} CPUs" if m.get("cpus") else None, f"{m.get('threads', 2)} threads"]
     if flags:
         parts.append("native bf16: " + (", ".join(f for f in ("avx512_bf16", "amx_bf16") if flags.get(f)) or "no"))
     if peak.get("fp32"):
@@ -180,7 +211,13 @@ def notes(kind: str, r: dict) -> list[str]:
     if f:
         out.append(f"Matmul work per step: {f['total'] / 1e9:.1f} GFLOP ({f['tokens']} tokens; {f['counting']}).")
     loss = (r.get("checks") or {}).get("loss")
-    if loss:
+    if isinstance(loss, str):  # bench_grpo / bench_distill state their check in words
+        out.append(f"Loss check passed: {loss}.")
+        trained = (r.get("checks") or {}).get("trained_completions")
+        if trained:
+            out.append("Completions trained per update, every run: " + ", ".join(f"{k} {v}" for k, v in trained.items())
+                       + ".")
+    elif loss:
         worst = max(loss.get("max_abs_diff_vs_reference", {}).values(), default=0.0)
         first = r.get("loss") or {}
         span = f" ({first['first']:.4f} → {first['last']:.4f})" if "first" in first else ""

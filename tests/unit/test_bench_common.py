@@ -163,5 +163,35 @@ def test_summary_table_takes_each_benchmarks_headline(tmp_path):
     (tmp_path / "sft_lora_20261201_100000.json").write_text(json.dumps(r))
     text = report.render_kind("summary", tmp_path)
     line = next(x for x in text.splitlines() if x.startswith("| SFT LoRA"))
-    assert "| 250.0 | 100.0 | **2.50×** | 0.50× | Test CPU, 180 GFLOP/s | `sft_lora_20261201_100000.json` |" in line
+    assert "| 250.0 | 100.0 | **2.50×** | 0.50× | Test CPU (no AVX2, bf16), 180 GFLOP/s | `sft_lora_20261201_100000.json` |" in line
     assert "| DPO LoRA, pairs/s per step | - | - | - | - | - | no result yet |" in text
+
+
+def test_summary_keeps_the_newest_result_of_each_cpu(tmp_path):
+    """Two CPUs of one model name (AVX-512 + bf16, AVX2 only): a row each, the newest of each; an older
+    file of the same CPU is left out, and so is one without the sides of the row."""
+    def result(tps, flags, stamp):
+        r = synthetic_sft(tps, 100.0)
+        r["machine"]["cpu"], r["machine"]["flags"] = "AMD EPYC", flags
+        (tmp_path / f"sft_lora_{stamp}.json").write_text(json.dumps(r))
+        return r
+    wide = {"avx2": True, "avx512f": True, "avx512_bf16": True}
+    result(210.0, wide, "20261201_100000")  # older, same CPU: not shown
+    result(220.0, wide, "20261201_110000")
+    result(150.0, {"avx2": True}, "20261202_090000")
+    lone = synthetic_sft(999.0, 100.0)
+    del lone["summary"]["trl"]  # the row needs both sides
+    lone["machine"]["flags"] = {"avx2": True}
+    (tmp_path / "sft_lora_20261202_100000.json").write_text(json.dumps(lone))
+    rows = [x for x in report.render_kind("summary", tmp_path).splitlines() if x.startswith("| SFT LoRA")]
+    assert len(rows) == 2
+    assert "| 150.0 |" in rows[0] and "AMD EPYC (AVX2), 180 GFLOP/s" in rows[0] and "20261202_090000" in rows[0]
+    assert "| 220.0 |" in rows[1] and "AMD EPYC (AVX-512, bf16)" in rows[1] and "20261201_110000" in rows[1]
+
+
+def test_grpo_notes_take_a_check_stated_in_words():
+    r = synthetic_sft()
+    r["checks"] = {"loss": "every update's loss equals its objective", "trained_completions": {"retrograd": [16]}}
+    text = "\n".join(report.notes("grpo", r))
+    assert "Loss check passed: every update's loss equals its objective." in text
+    assert "retrograd [16]" in text
