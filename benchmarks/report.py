@@ -243,13 +243,16 @@ def render(r: dict, path: Path | None = None, kind: str | None = None) -> str:
 def render_kind(kind: str, folder: Path = RESULTS) -> str:
     if kind == "summary":
         return render_summary(folder)
-    path = newest(kind, folder)
-    if path is None:
+    found = newest_per_cpu(kind, (), folder)  # one table per CPU met, the newest result of each
+    if not found:
         return f"No result yet (run the benchmark; it writes `benchmarks/results/{kind}_<timestamp>.json`)."
-    try:
-        return render(json.loads(path.read_text()), path, kind)
-    except (KeyError, TypeError, ValueError, AttributeError) as e:  # an older or broken file: say so, go on
-        return f"`{path.name}` could not be rendered ({type(e).__name__}: {e})."
+    out = []
+    for path, r in found:
+        try:
+            out.append(render(r, path, kind))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:  # an older or broken file: say so, go on
+            out.append(f"`{path.name}` could not be rendered ({type(e).__name__}: {e}).")
+    return "\n\n".join(out)
 
 
 def write_sections(readme: Path, folder: Path = RESULTS, kinds=None) -> list[str]:
