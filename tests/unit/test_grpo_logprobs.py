@@ -141,3 +141,21 @@ def test_completions_split_over_several_rows_per_prompt(tiny_model, monkeypatch)
     _, full_states = scorer.token_logprobs(collate([(prompts[o], c) for o, c in zip(owner, completions)], pad), 4,
                                            states=True)
     assert torch.allclose(states, full_states, atol=1e-5)
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["sdpa", "eager"])
+def test_packed_completions_in_bf16_match_one_row_per_completion(tiny_model, eager):
+    """The packed pass's additive mask in bf16, through SDPA and through the eager attention that
+    short bf16 passes take on CPU: the values of one row per completion, to bf16 rounding."""
+    from retrograd.device import attention_for_length
+    model = load_model(str(tiny_model), "bfloat16", log=lambda *_: None).model
+    scorer = Scorer(model)
+    prompts = [SYSTEM + [30, 31, 32], SYSTEM + [40]]
+    completions = [[10, 20, 30, 40], [50, 60], [70, 80, 90], [5]]
+    owner = [0, 1, 0, 1]
+    with torch.no_grad(), attention_for_length(model, 64 if eager else 10_000):
+        assert (model.config._attn_implementation == "eager") == eager
+        plain = scorer.token_logprobs(collate([(prompts[o], c) for o, c in zip(owner, completions)], 0), 4)
+        packed = scorer.shared_prompt_logprobs(prompts, completions, owner, 4, 0)
+    assert torch.isfinite(packed).all()
+    assert torch.allclose(packed.float(), plain.float(), atol=0.05), (packed, plain)
