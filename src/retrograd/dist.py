@@ -19,7 +19,8 @@ message of a few hundred KB per step.
 
 GRPO shares an update differently (train/grpo.py): each rank samples its share of the groups, the
 completions are exchanged (gather_objects), and each rank backpropagates its share of the passes, each
-already divided by the whole update's denominator, so sum_gradients adds them up.
+already divided by the whole update's denominator, so sum_gradients adds them up (under FSDP2 the
+backward itself reduces them: see the FSDP2 section below).
 
 Rank 0 alone writes (run folder, metrics, checkpoints, output); every rank keeps its own RNG state in
 the checkpoint. Tests use gloo with one thread per rank; CUDA ranks use nccl.
@@ -29,6 +30,7 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -88,14 +90,20 @@ def single_process_keys(cfg) -> list[str]:
     return out
 
 
-# what FSDP2 (sharded parameters) runs: the offline loops whose passes go through the model's own forward
-FSDP2_ALGORITHMS = ("sft", "preference")
+# what FSDP2 (sharded parameters) runs: the loops whose training passes go through the model's own forward;
+# the RL ones (grpo, on-policy distill) sample and score no-grad from the weights gathered whole (`unsharded`)
+FSDP2_ALGORITHMS = ("sft", "preference", "grpo", "distill")
+# why the others do not, for the refusal
+FSDP2_REFUSED = {"ppo": "its critic reads the policy's hidden states through the fused head, which a sharded "
+                        "model does not run",
+                 "distill-offline": "its top-k loss reads the student's LM head outside the model's forward"}
 
 
 def resolve_strategy(requested: str, trainable: str, size: int, algorithm: str, source: str,
                      single_process: list[str] | None = None, mixed_precision: str = "none") -> str:
-    """The strategy this launch runs: "none" for one process, "fsdp2" for a full fine-tune of SFT or
-    preference (auto) or when asked, else "ddp". Refuses what cannot run, saying why and what to do instead."""
+    """The strategy this launch runs: "none" for one process, "fsdp2" for a full fine-tune of SFT,
+    preference, GRPO or on-policy distillation (auto) or when asked, else "ddp". Refuses what cannot run,
+    saying why and what to do instead."""
     if size == 1:
         return "none"
     if requested == "none":
@@ -103,8 +111,11 @@ def resolve_strategy(requested: str, trainable: str, size: int, algorithm: str, 
                           "strategy = 'auto' (or 'ddp'), or run one process")
     if requested == "fsdp2":
         if algorithm not in FSDP2_ALGORITHMS:
-            raise ConfigError(f"{source}: distributed.strategy = 'fsdp2' runs {', '.join(FSDP2_ALGORITHMS)} in this "
-                              f"version, not run.algorithm = {algorithm!r}; use 'ddp' (or 'auto')")
+            why = f" ({FSDP2_REFUSED[algorithm]})" if algorithm in FSDP2_REFUSED else ""
+            what = ("run.algorithm = 'distill' with distill.mode = 'topk_offline'" if algorithm == "distill-offline"
+                    else f"run.algorithm = {algorithm!r}")
+            raise ConfigError(f"{source}: distributed.strategy = 'fsdp2' runs {', '.join(FSDP2_ALGORITHMS)} (distill: "
+                              f"on_policy) in this version, not {what}{why}; use 'ddp' (or 'auto')")
     if algorithm not in DATA_PARALLEL_ALGORITHMS:
         raise ConfigError(f"{source}: run.algorithm = {algorithm!r} runs in one process in this version (its "
                           f"rollouts are sampled in-process); {size} processes run "
@@ -116,7 +127,7 @@ def resolve_strategy(requested: str, trainable: str, size: int, algorithm: str, 
         return "fsdp2"
     if mixed_precision != "none":
         raise ConfigError(f"{source}: distributed.mixed_precision = {mixed_precision!r} applies to fsdp2 (a full "
-                          "fine-tune of sft / preference); with ddp set model.dtype instead")
+                          f"fine-tune of {' / '.join(FSDP2_ALGORITHMS)}); with ddp set model.dtype instead")
     return "ddp"
 
 
@@ -184,10 +195,13 @@ def sum_gradients(params: list[torch.nn.Parameter]) -> None:
 
 def sum_epoch(params: list[torch.nn.Parameter], loss: float, stats: list[dict]) -> tuple[float, list[dict]]:
     """After an RL epoch in which each rank backpropagated its share of the passes: the gradients summed,
-    the loss summed and every rank's per-pass statistics, as one process would have them."""
+    the loss summed and every rank's per-pass statistics, as one process would have them. Under FSDP2
+    the backward already reduced the gradients (each pass's loss scaled by the world size:
+    train/policy_update.keep_share), so only the loss and the statistics are exchanged."""
     if not _world.distributed:
         return loss, stats
-    sum_gradients(params)
+    if _world.strategy != "fsdp2":
+        sum_gradients(params)
     parts = gather_objects((loss, [{k: float(v) for k, v in x.items()} for x in stats]))
     return sum(p[0] for p in parts), [x for p in parts for x in p[1]]
 
@@ -278,6 +292,8 @@ def shard(rows: list, world: World | None = None) -> list:
 # reduce-scattered as a mean over the ranks: the loop scales each rank's loss by N x its share of the
 # step's weight (so the mean is all_reduce_gradients' weighted sum). FSDP2's collectives run inside every forward and
 # backward, so every rank must run as many passes as the others: pad_passes adds zero-weight ones.
+# What reads the weights outside a training pass (the RL loops' sampler, evaluation, no-grad scoring)
+# runs inside `unsharded`: every weight gathered whole once, no collectives until it ends.
 
 def sharded_root(model):
     """The module fully_shard wraps as the root: the transformers model (inside a PEFT wrapper for a LoRA)."""
@@ -305,6 +321,33 @@ def shard_model(model, device_type: str, mixed_precision: str = "none") -> None:
 def is_sharded(model) -> bool:
     from torch.distributed.fsdp import FSDPModule
     return isinstance(sharded_root(model), FSDPModule)
+
+
+@contextmanager
+def unsharded(model):
+    """Within: every fully_shard-ed module of `model` holds its whole weights (FSDPModule.unshard, the
+    root's and each layer's, all-gathered once on entry) and its forwards gather and free nothing, so
+    they run no collective and the ranks may run different numbers of them (a sampler's decode steps,
+    evaluation chunks, no-grad scoring). The exit frees the gathered weights (reshard) and restores
+    resharding after forward: fully_shard's defaults as shard_model applies them (a layer frees its
+    weights after its forward; the root keeps its own for the backward that follows). The entry is a
+    collective: every rank enters, as often as the others. A no-op for a model that is not sharded; no
+    training pass may run inside (its backward would reshard and reduce)."""
+    if not is_sharded(model):
+        yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+    root = sharded_root(model)
+    modules = [m for m in root.modules() if isinstance(m, FSDPModule)]  # the same order on every rank
+    for m in modules:
+        m.unshard()
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.set_reshard_after_forward(m is not root, recurse=False)
+            m.reshard()
 
 
 def sum_value(value: float) -> float:

@@ -1,6 +1,8 @@
 """Data-parallel training under torchrun with 2 gloo processes (one thread each) on a tiny model:
 the same losses as one process, a killed rank stops every rank, SIGTERM saves, resume is bit-exact
-at the same world size and continues at another, and what cannot run distributed is refused.
+at the same world size and continues at another, and what cannot run distributed is refused. The GRPO
+and on-policy distillation tests also launch the same LoRA run with strategy fsdp2 (the base sharded;
+full fine-tunes: tests/dist/test_fsdp2.py) against the same one-process run.
 
 Each launch is `retrograd train run.toml --nproc 2` (torchrun underneath), as a user runs it; the
 tests look for rank 0's success line ("wrote ...") and not only at exit codes.
@@ -108,8 +110,17 @@ def test_grpo_lora_two_ranks_sample_and_update_as_one_process(tmp_path, tiny_mod
     code2, out2 = run(tmp_path, cfg, *overrides("two"))
     assert code1 == 0 and code2 == 0 and "wrote " in out2, out1 + out2
     # the same completions, rewards (each group from its own random stream), losses and evaluations
+    keys = ("train/loss", "policy/kl", "reward/mean", "eval/mean_reward", "train/tokens")
     assert completions(tmp_path / "runs/one") == completions(tmp_path / "runs/two")
-    assert_same_metrics(tmp_path, ("train/loss", "policy/kl", "reward/mean", "eval/mean_reward", "train/tokens"))
+    assert_same_metrics(tmp_path, keys)
+    # and under fsdp2 (the base sharded too): sampling, the evaluation at step 0 (before any training
+    # forward) and the KL term's no-grad reference pass (adapter disabled) read the weights gathered whole
+    code3, out3 = run(tmp_path, cfg, *overrides("fsdp2"), "--set", 'distributed.strategy="fsdp2"')
+    assert code3 == 0 and "(fsdp2)" in out3 and "wrote " in out3, out3
+    assert completions(tmp_path / "runs/one") == completions(tmp_path / "runs/fsdp2")
+    assert_same_metrics(tmp_path, keys, ("one", "fsdp2"))
+    a, b = adapter(tmp_path / "out-one/adapter"), adapter(tmp_path / "out-fsdp2/adapter")
+    assert set(a) == set(b) and all(torch.allclose(a[k], b[k], atol=2e-4) for k in a)
     # resumed at update 2 on 2 ranks: the straight 2-rank run's adapter, bit for bit
     code, out = run(tmp_path, cfg, *overrides("two-resumed"),
                     "--resume", tmp_path / "ckpt-two" / "step-000000000002.state")
@@ -129,8 +140,16 @@ def test_on_policy_distillation_two_ranks_match_one_process(tmp_path, tiny_model
     code2, out2 = run(tmp_path, cfg, "--set", 'run.directory="runs/two"', "--set", 'output.path="out-two/adapter"')
     assert code1 == 0 and code2 == 0 and "wrote " in out2, out1 + out2
     assert completions(tmp_path / "runs/one") == completions(tmp_path / "runs/two")
-    assert_same_metrics(tmp_path, ("train/loss", "distill/teacher_kl_mean", "distill/teacher_kl_p95", "distill/teacher_top1_fraction",
-                "eval/teacher_kl", "eval/top1_agreement"))
+    keys = ("train/loss", "distill/teacher_kl_mean", "distill/teacher_kl_p95", "distill/teacher_top1_fraction",
+            "eval/teacher_kl", "eval/top1_agreement")
+    assert_same_metrics(tmp_path, keys)
+    # the same under fsdp2 (the base sharded too): the student samples, is evaluated and scored without
+    # gradient from its weights gathered whole, and trains through its own forward
+    code3, out3 = run(tmp_path, cfg, "--set", 'run.directory="runs/fsdp2"', "--set", 'output.path="out-fsdp2/adapter"',
+                      "--set", 'distributed.strategy="fsdp2"')
+    assert code3 == 0 and "(fsdp2)" in out3 and "wrote " in out3, out3
+    assert completions(tmp_path / "runs/one") == completions(tmp_path / "runs/fsdp2")
+    assert_same_metrics(tmp_path, keys, ("one", "fsdp2"))
 
 
 def test_ppo_two_ranks_share_the_rollouts_and_match_one_process(tmp_path, tiny_model):

@@ -1,6 +1,7 @@
 """FSDP2 (weights and optimizer state sharded across 2 gloo ranks) for full fine-tunes: the same losses
 and weights as one process, a torch.distributed.checkpoint inside the .state folder that resumes
-bit-exactly on 2 ranks after kill -9, re-cuts to 1 process, and exports like a one-process checkpoint."""
+bit-exactly on 2 ranks after kill -9, re-cuts to 1 process, and exports like a one-process checkpoint;
+GRPO samples from the weights gathered whole and gives one process's completions and losses."""
 from __future__ import annotations
 
 import json
@@ -12,8 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dist_util import CKPT, LONG_CKPT, adapter, kill_a_rank_then_resume, run, run_cli, train_losses
-from tiny import write_grpo_run, write_pref_run, write_run
+from dist_util import (CKPT, LONG_CKPT, adapter, assert_same_metrics, completions, kill_a_rank_then_resume, run,
+                       run_cli, train_losses)
+from tiny import write_grpo_run, write_ppo_run, write_pref_run, write_run
 
 
 def full_config(tmp_path: Path, tiny_model: Path, extra: str, steps: int, rows: int = 22) -> Path:
@@ -91,7 +93,7 @@ def test_killed_rank_resumes_bit_exact_and_another_world_size_re_cuts(tmp_path, 
     assert code != 0 and "an fsdp2 run resumes only its own sharded checkpoints" in out, out
 
 
-def test_dpo_full_sharded_matches_one_process_and_grpo_is_refused(tmp_path, tiny_model):
+def test_dpo_full_sharded_matches_one_process_and_ppo_is_refused(tmp_path, tiny_model):
     cfg = write_pref_run(tmp_path, tiny_model, '[training]\ntrainable = "full"\nlr = 0.001\n', steps=3)
     text = cfg.read_text()
     cfg.write_text(text[:text.index("[lora]")] + text[text.index("[training]"):])
@@ -102,9 +104,9 @@ def test_dpo_full_sharded_matches_one_process_and_grpo_is_refused(tmp_path, tiny
     assert sorted(one) == sorted(two) == [1, 2, 3]
     for step in one:
         assert two[step] == pytest.approx(one[step], abs=1e-5), step
-    grpo = write_grpo_run(tmp_path, tiny_model, '[distributed]\nstrategy = "fsdp2"\n')
-    code, out = run(tmp_path, grpo, timeout=120)
-    assert code != 0 and "'fsdp2' runs sft, preference in this version, not run.algorithm = 'grpo'" in out, out
+    ppo = write_ppo_run(tmp_path, tiny_model, '[distributed]\nstrategy = "fsdp2"\n')
+    code, out = run(tmp_path, ppo, timeout=120)
+    assert code != 0 and "not run.algorithm = 'ppo' (its critic reads" in out, out
 
 
 def test_lora_over_a_sharded_base_matches_one_process_resumes_and_exports(tmp_path, tiny_model):
@@ -132,3 +134,40 @@ def test_lora_over_a_sharded_base_matches_one_process_resumes_and_exports(tmp_pa
         assert code == 0, out
     e1, e2 = adapter(tmp_path / "exported-one"), adapter(tmp_path / "exported-two")
     assert set(e1) == set(e2) and all(torch.allclose(e1[k], e2[k], atol=2e-4) for k in e1)
+
+
+def test_grpo_full_sharded_matches_one_process_resumes_after_kill_and_exports(tmp_path, tiny_model):
+    # strategy auto: a full fine-tune of GRPO is sharded; it samples and evaluates from the weights
+    # gathered whole, and trains through the model's own forward (the LoRA case: tests/dist/test_ddp.py)
+    ckpt = '[checkpoint]\ndirectory = "ckpt"\nmode = "steps"\nevery_steps = 5\n'
+    cfg = write_grpo_run(tmp_path, tiny_model, "[training]\ntrainable = \"full\"\nlr = 0.001\n"
+                         "[grpo]\nprompts_per_update = 3\n[evaluation]\ndata = \"prompts.jsonl\"\nmax_examples = 3\n"
+                         "every_steps = 10\n" + ckpt, updates=20)
+    text = cfg.read_text()
+    cfg.write_text(text[:text.index("[lora]")] + text[text.index("[training]"):])
+    code1, out1 = run(tmp_path, cfg, *sets("one"), nproc=1)
+    code2, out2 = run(tmp_path, cfg, *sets("two"))
+    assert code1 == 0 and code2 == 0 and "distributed: 2 processes (fsdp2)" in out2 and "wrote " in out2, out1 + out2
+    assert completions(tmp_path / "runs/one") == completions(tmp_path / "runs/two")
+    assert_same_metrics(tmp_path, ("train/loss", "reward/mean", "eval/mean_reward", "train/tokens"))
+    alone, straight = weights(tmp_path / "out-one"), weights(tmp_path / "out-two")
+    assert sorted(alone) == sorted(straight)
+    for k in straight:
+        torch.testing.assert_close(straight[k], alone[k], atol=1e-4, rtol=1e-4)
+    last = tmp_path / "ckpt-two" / "step-000000000020.state"
+    names = set(json.loads((last / "manifest.json").read_text())["files"])
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "rng-rank-1.pt"} <= names
+
+    # kill -9 of a rank after update 5's checkpoint; --resume gives the straight run's weights bit for bit
+    kill_a_rank_then_resume(tmp_path, cfg, sets("killed"), tmp_path / "ckpt-killed/step-000000000005.state")
+    resumed = weights(tmp_path / "out-killed")
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+
+    # one process exports the sharded checkpoint: the 2-rank run's weights, so one process's within float noise
+    code, out = run_cli(tmp_path, "export", last, "--format", "hf", "--out", tmp_path / "exported")
+    assert code == 0, out
+    exported = weights(tmp_path / "exported")
+    assert sorted(exported) == sorted(alone)
+    for k in exported:
+        torch.testing.assert_close(exported[k], straight[k], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(exported[k], alone[k], atol=1e-4, rtol=1e-4)

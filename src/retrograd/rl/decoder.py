@@ -9,7 +9,10 @@ forward (tested to 1e-5 against it), without the generic machinery around it:
     in, cast to the sampling dtype and reordered into oneDNN's blocked layout (at batch 16 a decode
     step's matmuls run 1.6-2.8x faster from it than from a row-major weight). A copy is remade only
     when a source tensor changes (a full fine-tune's optimizer step), and models that share a frozen
-    base share it;
+    base share it; the copies of an FSDP2 model's gathered weights are dropped after each use
+    (`forget`, called by sampler.whole_weights: the next gathering refills the same tensor objects and
+    keeps their version, and their storage may come back at the same address, so a kept copy could not
+    be told stale);
   * LoRA runs beside the base matmul on the live adapter tensors, in float32 (all adapters of a
     projection as one down- and one block-diagonal up-projection), so nothing is folded per update
     and, with bf16 weights, a small adapter update is not lost in the weights' rounding;
@@ -123,6 +126,17 @@ def _prepared(weights: list[torch.Tensor], scales: list[float], norm: torch.Tens
                 pass
     entries[slot] = (versions, kind, tensor)
     return kind, tensor
+
+
+def forget(tensors) -> None:
+    """Drop the prepared copies made from `tensors` (the next _prepared remakes them). For tensors whose
+    contents change without a new version: an FSDP2 model's gathered weights, the same objects refilled
+    by the next all-gather (sampler.whole_weights). Each tensor's table stays, emptied, so its finalizer
+    is not registered once more per use."""
+    for t in tensors:
+        entries = _PREPARED.get(id(t))
+        if entries:
+            entries.clear()
 
 
 def _linear_parts(module) -> tuple:

@@ -18,6 +18,9 @@ same seed gives the same completions and a resumed run samples exactly what the 
 The training loops pass GroupStreams, one stream per prompt group: a group's completions then do
 not depend on which other prompts share the batch, so a group samples the same whether one
 process draws the whole update or each of N ranks draws its share.
+
+A model sharded with FSDP2 (each rank holds 1/N of every weight) samples inside `whole_weights`,
+which gathers the weights once for all of a phase's calls; `sample` refuses it otherwise.
 """
 from __future__ import annotations
 
@@ -106,12 +109,46 @@ def lora_folded(model):
 
 
 @contextmanager
+def whole_weights(model):
+    """Within: `model` with every weight whole, to sample and evaluate from. Under FSDP2 (retrograd/dist.py)
+    each rank holds 1/N of every weight: they are gathered once on entry (a collective: every rank
+    enters, one without prompts too) and freed on exit, and in between the model runs no collective, so
+    ranks may decode different numbers of steps. On exit the decoder's prepared copies of the gathered
+    weights are dropped: the next gathering refills the same tensor objects and keeps their version, so
+    a kept copy could go stale unnoticed (rl/decoder.forget), and no whole copy outlives the phase. A
+    no-op for a model that is not sharded."""
+    from retrograd import dist
+    if not dist.is_sharded(model):
+        yield model
+        return
+    from retrograd.rl.decoder import forget
+    with dist.unsharded(model):
+        try:
+            yield model
+        finally:
+            forget(list(model.parameters()))
+
+
+@contextmanager
 def sampling_copy(model, dtype: torch.dtype):
     """The model to sample with: `model` itself, or for another dtype a copy whose parameters are
     cast from the current ones (inside `lora_folded`, the merged weights), made per use and freed
-    after. Buffers (rotary frequencies) stay shared and in float32; the original is untouched."""
+    after. Buffers (rotary frequencies) stay shared and in float32; the original is untouched. A model
+    with FSDP2 modules (inside whole_weights) is not deep-copied (their state holds the process group):
+    its parameters are cast in place for the duration and put back untouched."""
     if all(p.dtype == dtype for p in model.parameters()):
         yield model
+        return
+    from retrograd import dist
+    if dist.is_sharded(model):
+        originals = [(p, p.data) for p in model.parameters()]
+        try:
+            for p, data in originals:
+                p.data = data.to(dtype)
+            yield model
+        finally:
+            for p, data in originals:
+                p.data = data
         return
     import copy
     memo = {id(p): torch.nn.Parameter(p.detach().to(dtype), requires_grad=False) for p in model.parameters()}
@@ -203,6 +240,7 @@ def sample(model, prompts: list[list[int]], group_size: int, max_new_tokens: int
     matmuls while sampling (see rl/decoder.py; default: bfloat16 for a bf16 model, else float32);
     the model itself is never changed."""
     param = next(model.parameters())
+    _check_whole(model, param)
     if dtype is None:
         dtype = torch.bfloat16 if param.dtype == torch.bfloat16 else torch.float32
     was_training = model.training
@@ -214,6 +252,17 @@ def sample(model, prompts: list[list[int]], group_size: int, max_new_tokens: int
                            temperature, top_k, top_p, stop, param.device, entropy)
     finally:
         model.train(was_training)
+
+
+def _check_whole(model, param) -> None:
+    """Refuse to sample from a sharded (FSDP2) model's shards: its forwards would be collectives, one per
+    decode step, which ranks decoding different numbers of steps never pair up."""
+    from retrograd import dist
+    if dist.is_sharded(model):
+        from torch.distributed.tensor import DTensor
+        if isinstance(param, DTensor):
+            raise RuntimeError("sample(): the model's weights are sharded (FSDP2); sample inside "
+                               "retrograd.rl.sampler.whole_weights(model), entered by every rank")
 
 
 def _decode(decoder, prompts, group_size, max_new_tokens, eos_ids, pad_id, generator, temperature, top_k, top_p,

@@ -10,6 +10,10 @@ read top to bottom:
   (the adapter disabled).
 `topk_offline` (train/distill_offline.py): forward KL on the teacher's top-k written once.
 
+Under torchrun on_policy shares its updates as GRPO does (train/grpo.py), FSDP2 included: the student
+samples, is evaluated and scored without gradient from its weights gathered whole; the teacher (and a
+[reference]) is a plain model on every rank.
+
 Teacher and student must share a tokenizer (checked; refused naming both). Metrics: distill/
 teacher_kl_mean and teacher_kl_p95 (the sampled tokens' log p_S - log p_T),
 advantage_clipped_fraction, teacher_top1_fraction (sampled tokens that are the teacher's first
@@ -36,7 +40,7 @@ from retrograd.device import attention_for_length, memory_metrics
 from retrograd.errors import ConfigError
 from retrograd.models.load import load_model, model_fingerprint
 from retrograd.models.logprobs import Scorer, to_device
-from retrograd.rl.sampler import eos_ids
+from retrograd.rl.sampler import eos_ids, whole_weights
 from retrograd.train.checkpointing import run_meta
 from retrograd.train.common import StopRequest
 from retrograd.train.grpo import load_reference
@@ -107,8 +111,9 @@ def train_on_policy(cfg, resume: str | None = None, log=print) -> TrainResult:
         f"run folder {run.run_dir}")
 
     def evaluate() -> dict:  # under torchrun each rank answers its share; means weighted by positions
-        m, positions = evaluate_against_teacher(model, tok, teacher, dist.shard(eval_prompts, world), sp, eos,
-                                                with_count=True)
+        with whole_weights(model):  # FSDP2: gathered once, so the ranks' chunks need not pair up
+            m, positions = evaluate_against_teacher(model, tok, teacher, dist.shard(eval_prompts, world), sp, eos,
+                                                    with_count=True)
         return dist.reduce_metrics(m, positions, set())
 
     stopped_by, last_eval = "done", None

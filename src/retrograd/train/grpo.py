@@ -16,7 +16,10 @@ Each update:
 
 Under torchrun each rank samples every N-th group (rollouts.collect_sharded: all ranks then hold the
 whole update), computes the same advantages, backpropagates every N-th pass (keep_share) and the
-gradients are summed: the update one process takes (retrograd/dist.py).
+gradients are summed: the update one process takes (retrograd/dist.py). With FSDP2 (sharded weights)
+sampling and evaluation read the weights gathered whole (sampler.whole_weights), the training passes
+go through the model's own forward (Scorer: no fused head, no shared prompts), the backward reduces the
+gradients and the ranks' pass counts are padded to match (train/policy_update.py).
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ from retrograd.models.logprobs import Scorer
 from retrograd.algorithms.backpressure import backpressure_from_config
 from retrograd.rl.judge import judge_from_config
 from retrograd.rl.rewards import rewards_from_config
-from retrograd.rl.sampler import eos_ids
+from retrograd.rl.sampler import eos_ids, whole_weights
 from retrograd.train.checkpointing import run_meta
 from retrograd.train.common import StopRequest
 from retrograd.train.credit import Credit
@@ -110,7 +113,8 @@ def train_grpo(cfg, resume: str | None = None, log=print) -> TrainResult:
 
     def evaluate() -> dict:  # under torchrun each rank answers its share of the prompts
         mine = dist.shard(eval_prompts, world)
-        r = greedy_rewards(model, tok, mine, rewards, sp, eos, g.overlong_penalty)
+        with whole_weights(model):  # FSDP2: gathered once, so the ranks' chunks need not pair up
+            r = greedy_rewards(model, tok, mine, rewards, sp, eos, g.overlong_penalty)
         r = dist.reduce_metrics(r, len(mine), set())
         return {"eval/mean_reward": r.pop("mean_reward"), **{f"eval/reward/{k}": v for k, v in r.items()}}
 

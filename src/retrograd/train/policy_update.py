@@ -9,6 +9,13 @@
 
 Gradients accumulate across passes; the caller steps the optimizer. Splitting an update into passes
 gives the gradient of one pass (the normalisation's denominator is the whole update's), tested.
+
+Under torchrun keep_share gives each rank its share of the passes. With FSDP2 (retrograd/dist.py) every
+forward and backward of the sharded model is a collective, so: the no-grad passes (reference, old
+policy) run on the weights gathered whole (dist.unsharded: no collectives, any number of passes); each
+training pass's loss is scaled by the world size (the backward averages the ranks' gradients, and the
+passes' losses are already divided by the whole update's denominator, so the sum is one process's);
+and a rank with fewer passes runs zero-weight ones (dist.pad_passes) so the collectives pair up.
 """
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from retrograd import dist
 from retrograd.algorithms.advantages import zero_signal_groups
 from retrograd.algorithms.off_policy import importance_weights
 from retrograd.algorithms.policy_losses import aggregate, k3_kl
@@ -34,6 +42,7 @@ class UpdateBatch:
     normalisation: str  # token | constant | sequence
     max_new_tokens: int
     pad_id: int
+    loss_scale: float = 1.0  # a factor on every pass's backward (the world size under FSDP2: keep_share)
     # filled by the first epoch: the policy before the update and the off-policy weights, per pass
     old: dict = field(default_factory=dict)
     is_weights: dict = field(default_factory=dict)
@@ -101,7 +110,8 @@ def plan_passes(seqs, prompt_of: list[int] | None, budget: int | None) -> list[l
 def keep_share(batch: UpdateBatch, world) -> UpdateBatch:
     """Under torchrun: re-plan the passes so each rank gets some (at most a world-size-th of the tokens per
     pass), and keep this rank's every world-size-th pass. The denominator stays the whole update's, so
-    the ranks' summed gradients are one process's (dist.sum_gradients)."""
+    the ranks' summed gradients are one process's (dist.sum_gradients; under FSDP2, whose backward
+    averages them, each pass's loss is scaled by the world size)."""
     if not world.distributed:
         return batch
     if batch.prompt_of is not None:
@@ -114,6 +124,8 @@ def keep_share(batch: UpdateBatch, world) -> UpdateBatch:
     if len(planned) < len(batch.passes):  # the caller's budget was the tighter one
         planned = batch.passes
     batch.passes = planned[world.rank::world.size]
+    if world.strategy == "fsdp2":
+        batch.loss_scale = float(world.size)
     return batch
 
 
@@ -152,6 +164,11 @@ def score_old_policy(scorer: Scorer, batch: UpdateBatch, correction: tuple = ("n
     """Before an update whose advantages need the policy's states (PPO's critic): one pass without
     gradient records each pass's log-probs as the old policy (and the off-policy weights), and
     returns the detached final hidden states of every row [L, W, H] (the value head's features)."""
+    with dist.unsharded(scorer.base):  # FSDP2: the whole weights, no collective per pass
+        return _score_old_policy(scorer, batch, correction)
+
+
+def _score_old_policy(scorer: Scorer, batch: UpdateBatch, correction: tuple) -> torch.Tensor:
     out = None
     for k, idx in enumerate(batch.passes):
         logp, states = pass_logprobs(scorer, batch, idx, states=True)
@@ -169,20 +186,25 @@ def score_old_policy(scorer: Scorer, batch: UpdateBatch, correction: tuple = ("n
 @torch.no_grad()
 def reference_logprobs(scorer: Scorer, batch: UpdateBatch) -> dict[int, torch.Tensor]:
     """Per pass, the log-probs under `scorer` (the reference model, or the policy with its adapter
-    disabled by the caller), without gradient."""
-    return {k: pass_logprobs(scorer, batch, idx) for k, idx in enumerate(batch.passes)}
+    disabled by the caller), without gradient. Under FSDP2 on the weights gathered whole (no collective
+    per pass, so ranks with different numbers of passes need no padding)."""
+    with dist.unsharded(scorer.base):
+        return {k: pass_logprobs(scorer, batch, idx) for k, idx in enumerate(batch.passes)}
 
 
 def epoch_backward(scorer: Scorer, batch: UpdateBatch, loss_fn, loss_params: dict, *, correction: tuple = ("none", 3.0, None),
                    ref_logp: dict | None = None, beta: float = 0.0) -> tuple[float, list[dict]]:
     """One epoch over the update's passes: backward of the aggregated loss (gradients accumulate).
     The first call records each pass's log-probs as the old policy and the off-policy weights of
-    the sampler's distribution (`correction` = (mode, max, min)). Returns (loss, per-pass stats)."""
+    the sampler's distribution (`correction` = (mode, max, min)). Returns (loss, per-pass stats).
+    A sharded (FSDP2) model: zero-weight passes until this rank has run as many as the busiest one."""
     total, stats = 0.0, []
     for k, idx in enumerate(batch.passes):
         loss, st = _pass_backward(scorer, batch, k, idx, loss_fn, loss_params, beta, ref_logp, correction)
         total += loss
         stats.append(st)
+    if dist.is_sharded(scorer.base):
+        dist.pad_passes(scorer.base, len(batch.passes), batch.pad_id, scorer.head.weight.device)
     return total, stats
 
 
@@ -212,7 +234,7 @@ def _pass_backward(scorer: Scorer, batch: UpdateBatch, k: int, idx: list[int], l
         st.update({f"off_policy/{n}": v for n, v in is_stats.items()})
     loss = aggregate(per_token, mask, batch.normalisation, max_new_tokens=batch.max_new_tokens,
                      denominator=batch.denominator)
-    loss.backward()
+    (loss * batch.loss_scale if batch.loss_scale != 1.0 else loss).backward()
     return float(loss.detach()), st
 
 

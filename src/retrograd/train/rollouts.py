@@ -19,7 +19,7 @@ import torch
 from retrograd.algorithms.advantages import overlong_penalty, zero_signal_groups
 from retrograd.device import auto_sampling_dtype
 from retrograd.models.load import DTYPES
-from retrograd.rl.sampler import GroupStreams, Samples, sample, stop_string_check
+from retrograd.rl.sampler import GroupStreams, Samples, sample, stop_string_check, whole_weights
 
 # seeds of dynamic sampling's extra draws, far from the updates' own (update + attempt * this)
 RESAMPLE_SEED_STRIDE = 7919 * 1_000_000
@@ -107,14 +107,17 @@ def collect_sharded(model, tokenizer, prompts: list, rewards: list, sp, G: int, 
     """collect() split over the ranks of a torchrun launch: each samples and scores every world-size-th
     group of the update (its own random stream per group, so exactly what one process would draw),
     then the ranks exchange their groups and every rank returns the whole update, in one process's
-    order. (Completions are a few KB; the exchange is one all_gather of Python objects.)"""
+    order. (Completions are a few KB; the exchange is one all_gather of Python objects.) An FSDP2
+    model samples from its weights gathered whole (whole_weights; every rank enters, one without
+    groups too)."""
     from retrograd import dist
     mine = list(range(world.rank, len(prompts), world.size))
     t0 = time.perf_counter()
     part = None
-    if mine:
+    with whole_weights(model):
         samples = draw(model, tokenizer, [prompts[g] for g in mine], G, sp, eos, update, entropy=entropy,
-                       group_ids=mine)
+                       group_ids=mine) if mine else None
+    if mine:
         t1 = time.perf_counter()
         total, per_reward, texts = score(rewards, tokenizer, [prompts[g] for g in mine], samples, sp.max_new_tokens,
                                          overlong)
