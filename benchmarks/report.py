@@ -124,11 +124,8 @@ def cpu_label(r: dict) -> str:
 def newest_per_cpu(kind: str, sides: tuple, folder: Path = RESULTS) -> list[tuple[Path, dict]]:
     """The newest result of `kind` holding both `sides`, per CPU (cpu_label), newest first. Older files
     that did not record the CPU's flags count only where no file did."""
-    pattern = re.compile(rf"^{re.escape(kind)}_(\d{{8}}_\d{{6}})\.json$")
-    found = sorted(((m.group(1), p) for p in folder.glob(f"{kind}_*.json") if (m := pattern.match(p.name))),
-                   reverse=True)
     out, unflagged, seen = [], [], set()
-    for _, path in found:
+    for path in reversed(result_files(kind, folder)):
         try:
             r = json.loads(path.read_text())
         except ValueError:
@@ -140,10 +137,16 @@ def newest_per_cpu(kind: str, sides: tuple, folder: Path = RESULTS) -> list[tupl
     return out or unflagged
 
 
-def newest(kind: str, folder: Path = RESULTS) -> Path | None:
+def result_files(kind: str, folder: Path = RESULTS) -> list[Path]:
+    """`kind`'s result files, oldest first (KIND_<date>_<time>.json; smoke runs are named otherwise)."""
     pattern = re.compile(rf"^{re.escape(kind)}_(\d{{8}}_\d{{6}})\.json$")
-    found = sorted((m.group(1), p) for p in folder.glob(f"{kind}_*.json") if (m := pattern.match(p.name)))
-    return found[-1][1] if found else None
+    stamped = sorted((m.group(1), p) for p in folder.glob(f"{kind}_*.json") if (m := pattern.match(p.name)))
+    return [p for _, p in stamped]
+
+
+def newest(kind: str, folder: Path = RESULTS) -> Path | None:
+    found = result_files(kind, folder)
+    return found[-1] if found else None
 
 
 def fmt(value, decimals) -> str:

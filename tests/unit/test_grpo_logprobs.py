@@ -21,15 +21,21 @@ def test_shared_prefix_length():
     assert shared_prefix_length([short + [30], short + [40], short + [50]]) == len(short)
 
 
-@pytest.mark.parametrize("common", [False, True], ids=["distinct_prompts", "common_prefix"])
-def test_shared_prompt_forward_equals_one_row_per_completion(tiny_model, common):
+def trained_lora(tiny_model, seed: int):
+    """(the loaded tiny model, it with a LoRA whose B is random: an adapter that changes the outputs)."""
     loaded = load_model(str(tiny_model), log=lambda *_: None)
     model, _ = attach_lora(loaded.model, 4, 8, ["auto"], 0.0, 0)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.3)
+    return loaded, model
+
+
+@pytest.mark.parametrize("common", [False, True], ids=["distinct_prompts", "common_prefix"])
+def test_shared_prompt_forward_equals_one_row_per_completion(tiny_model, common):
+    loaded, model = trained_lora(tiny_model, seed=0)
     scorer, pad = Scorer(model), loaded.tokenizer.pad_token_id
     prompts = [loaded.tokenizer("hello there friend")["input_ids"], loaded.tokenizer("hi")["input_ids"]]
     if common:
@@ -113,13 +119,7 @@ def test_completions_split_over_several_rows_per_prompt(tiny_model, monkeypatch)
     cache): still the values and gradients of one row per completion."""
     import retrograd.models.logprobs as logprobs
     monkeypatch.setattr(logprobs, "PACK_ROW_TOKENS", 5)
-    loaded = load_model(str(tiny_model), log=lambda *_: None)
-    model, _ = attach_lora(loaded.model, 4, 8, ["auto"], 0.0, 0)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.3)
+    loaded, model = trained_lora(tiny_model, seed=1)
     scorer, pad = Scorer(model), loaded.tokenizer.pad_token_id
     prompts = [SYSTEM + [30, 31, 32], SYSTEM + [40]]
     completions = [[10, 20, 30], [50, 60], [70, 80, 90, 95], [5], [6, 7], [8, 9, 11]]
