@@ -37,8 +37,8 @@ import torch
 
 from retrograd.errors import ConfigError
 
-# algorithms that run on several processes (PPO shares its rollouts and evaluation; every rank computes the
-# whole update, as its critic and the batch whitening need every rollout)
+# algorithms that run on several processes, under ddp and fsdp2 (PPO: every rank scores every rollout, as
+# its critic and the batch whitening need them all, then backpropagates its share of the passes)
 DATA_PARALLEL_ALGORITHMS = ("sft", "preference", "distill-offline", "grpo", "distill", "ppo")
 GRAD_BUCKET_ELEMENTS = 1 << 24  # 64 MB of fp32 per all-reduce message for a full fine-tune
 
@@ -90,32 +90,15 @@ def single_process_keys(cfg) -> list[str]:
     return out
 
 
-# what FSDP2 (sharded parameters) runs: the loops whose training passes go through the model's own forward;
-# the RL ones (grpo, on-policy distill) sample and score no-grad from the weights gathered whole (`unsharded`)
-FSDP2_ALGORITHMS = ("sft", "preference", "grpo", "distill")
-# why the others do not, for the refusal
-FSDP2_REFUSED = {"ppo": "its critic reads the policy's hidden states through the fused head, which a sharded "
-                        "model does not run",
-                 "distill-offline": "its top-k loss reads the student's LM head outside the model's forward"}
-
-
 def resolve_strategy(requested: str, trainable: str, size: int, algorithm: str, source: str,
                      single_process: list[str] | None = None, mixed_precision: str = "none") -> str:
-    """The strategy this launch runs: "none" for one process, "fsdp2" for a full fine-tune of SFT,
-    preference, GRPO or on-policy distillation (auto) or when asked, else "ddp". Refuses what cannot run,
-    saying why and what to do instead."""
+    """The strategy this launch runs: "none" for one process, "fsdp2" for a full fine-tune (auto) or when
+    asked, else "ddp". Refuses what cannot run, saying why and what to do instead."""
     if size == 1:
         return "none"
     if requested == "none":
         raise ConfigError(f"{source}: launched with {size} processes but distributed.strategy = 'none'; set "
                           "strategy = 'auto' (or 'ddp'), or run one process")
-    if requested == "fsdp2":
-        if algorithm not in FSDP2_ALGORITHMS:
-            why = f" ({FSDP2_REFUSED[algorithm]})" if algorithm in FSDP2_REFUSED else ""
-            what = ("run.algorithm = 'distill' with distill.mode = 'topk_offline'" if algorithm == "distill-offline"
-                    else f"run.algorithm = {algorithm!r}")
-            raise ConfigError(f"{source}: distributed.strategy = 'fsdp2' runs {', '.join(FSDP2_ALGORITHMS)} (distill: "
-                              f"on_policy) in this version, not {what}{why}; use 'ddp' (or 'auto')")
     if algorithm not in DATA_PARALLEL_ALGORITHMS:
         raise ConfigError(f"{source}: run.algorithm = {algorithm!r} runs in one process in this version (its "
                           f"rollouts are sampled in-process); {size} processes run "
@@ -123,11 +106,11 @@ def resolve_strategy(requested: str, trainable: str, size: int, algorithm: str, 
     if single_process:
         raise ConfigError(f"{source}: {', '.join(single_process)} runs on one process in this version; remove it or "
                           f"launch without torchrun / --nproc")
-    if requested == "fsdp2" or (requested == "auto" and trainable == "full" and algorithm in FSDP2_ALGORITHMS):
+    if requested == "fsdp2" or (requested == "auto" and trainable == "full"):
         return "fsdp2"
     if mixed_precision != "none":
         raise ConfigError(f"{source}: distributed.mixed_precision = {mixed_precision!r} applies to fsdp2 (a full "
-                          f"fine-tune of {' / '.join(FSDP2_ALGORITHMS)}); with ddp set model.dtype instead")
+                          f"fine-tune, or strategy = 'fsdp2'); with ddp set model.dtype instead")
     return "ddp"
 
 
@@ -287,11 +270,12 @@ def shard(rows: list, world: World | None = None) -> list:
 
 
 # ---- FSDP2: parameters sharded across the ranks (full fine-tunes) ---------------------------------
-# Every rank loads the whole model, then fully_shard keeps 1/N of each parameter (and of the AdamW
-# state) per rank; each decoder layer is gathered for its forward and backward only. The gradient is
-# reduce-scattered as a mean over the ranks: the loop scales each rank's loss by N x its share of the
-# step's weight (so the mean is all_reduce_gradients' weighted sum). FSDP2's collectives run inside every forward and
-# backward, so every rank must run as many passes as the others: pad_passes adds zero-weight ones.
+# Rank 0 loads the whole model and the other ranks build it on the meta device (shard_model hands them
+# their shards); fully_shard keeps 1/N of each parameter (and of the AdamW state) per rank; each decoder
+# layer is gathered for its forward and backward only. The gradient is reduce-scattered as a mean over
+# the ranks: the loop scales each rank's loss by N x its share of the step's weight (so the mean is
+# all_reduce_gradients' weighted sum). FSDP2's collectives run inside every forward and backward, so
+# every rank must run as many passes as the others: pad_passes adds zero-weight ones.
 # What reads the weights outside a training pass (the RL loops' sampler, evaluation, no-grad scoring)
 # runs inside `unsharded`: every weight gathered whole once, no collectives until it ends.
 
@@ -300,27 +284,59 @@ def sharded_root(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def shard_model(model, device_type: str, mixed_precision: str = "none") -> None:
+def shard_model(model, device: torch.device, mixed_precision: str = "none") -> None:
     """fully_shard each decoder layer, then the root (embeddings, final norm, head); a LoRA's adapter
     weights are sharded with the frozen layer they sit in (a base too big for one device). mixed_precision
     "bf16": the gathered weights compute in bfloat16, gradients are reduced in float32, and the sharded
-    weights the optimizer steps stay float32."""
+    weights the optimizer steps stay float32.
+
+    Rank 0 holds the whole model (on `device`); every other rank's is on the meta device (nothing read,
+    nothing allocated) and receives its shards from rank 0's whole state (set_model_state_dict with
+    broadcast_from_rank0). Buffers are not in that state when non-persistent (RoPE's inv_freq): after
+    to_empty they hold garbage and nothing reports it (a loss off by ~5e-4), so every buffer is
+    broadcast from rank 0 too, whatever the architecture computes in it."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mesh = init_device_mesh(device_type, (_world.size,))
+    mesh = init_device_mesh(device.type, (_world.size,))
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if mixed_precision == "bf16" else MixedPrecisionPolicy())
     root = sharded_root(model)
+    whole = root.state_dict() if _world.main else {}  # references to rank 0's tensors, freed once broadcast
     decoder = getattr(root, root.base_model_prefix)
     for layer in decoder.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     # gradients reduce-scattered as a mean over ranks (gloo has no pre-scaled sum)
     fully_shard(root, mesh=mesh, mp_policy=policy)
+    if not _world.main:
+        root.to_empty(device=device)
+    set_model_state_dict(root, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del whole
+    for buffer in root.buffers():
+        dist.broadcast(buffer, src=0)
+    # FSDP2 settles which module is the root at the first forward it sees: one that first reached a layer
+    # (the decoder alone, run inside `unsharded` by the fused head) would make that layer a root of its
+    # own and the root's later forward fail. One token through the root now, in eval mode so no dropout
+    # draws from the generators (a collective: every rank shards the model together).
+    was_training = root.training
+    root.eval()
+    with torch.no_grad():
+        device = next(iter(root.parameters())).device
+        root(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False)
+    root.reshard()  # the root keeps its weights gathered after a forward (for the backward); no backward follows
+    root.train(was_training)
 
 
 def is_sharded(model) -> bool:
     from torch.distributed.fsdp import FSDPModule
     return isinstance(sharded_root(model), FSDPModule)
+
+
+def is_whole(model) -> bool:
+    """Inside `unsharded(model)`: its weights are gathered whole, so code may read them outside the model's
+    own forward (the fused LM head, the decoder alone)."""
+    return bool(getattr(sharded_root(model), "_retrograd_whole", False))
 
 
 @contextmanager
@@ -342,9 +358,11 @@ def unsharded(model):
     for m in modules:
         m.unshard()
         m.set_reshard_after_forward(False, recurse=False)
+    root._retrograd_whole = True
     try:
         yield
     finally:
+        root._retrograd_whole = False
         for m in modules:
             m.set_reshard_after_forward(m is not root, recurse=False)
             m.reshard()

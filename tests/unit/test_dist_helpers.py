@@ -34,19 +34,18 @@ def test_one_process_needs_no_group_and_refusals_name_the_fix():
     # a full fine-tune of an RL loop is sharded too (it samples from the weights gathered whole) ...
     assert dist.resolve_strategy("auto", "full", 2, "grpo", "run.toml") == "fsdp2"
     assert dist.resolve_strategy("auto", "full", 2, "distill", "run.toml") == "fsdp2"
-    # ... a LoRA keeps DDP, and PPO (its critic reads hidden states through the fused head) stays on DDP
+    # ... and so are PPO's and offline top-k distillation's; a LoRA keeps DDP
+    assert dist.resolve_strategy("auto", "full", 2, "ppo", "run.toml") == "fsdp2"
+    assert dist.resolve_strategy("auto", "full", 2, "distill-offline", "run.toml") == "fsdp2"
     assert dist.resolve_strategy("auto", "lora", 2, "grpo", "run.toml") == "ddp"
-    assert dist.resolve_strategy("auto", "full", 2, "ppo", "run.toml") == "ddp"
+    assert dist.resolve_strategy("auto", "lora", 2, "ppo", "run.toml") == "ddp"
     assert dist.resolve_strategy("fsdp2", "lora", 2, "grpo", "run.toml") == "fsdp2"
     assert dist.resolve_strategy("ddp", "full", 2, "grpo", "run.toml") == "ddp"
     assert dist.resolve_strategy("ddp", "full", 2, "preference", "run.toml") == "ddp"
     with pytest.raises(dist.ConfigError, match="runs in one process in this version"):
         dist.resolve_strategy("auto", "lora", 2, "agent_grpo", "run.toml")
     assert dist.resolve_strategy("fsdp2", "lora", 2, "sft", "run.toml") == "fsdp2"  # a base too big for one device
-    with pytest.raises(dist.ConfigError, match="not run.algorithm = 'ppo' \\(its critic reads"):
-        dist.resolve_strategy("fsdp2", "full", 2, "ppo", "run.toml")
-    with pytest.raises(dist.ConfigError, match="not run.algorithm = 'distill' with distill.mode = 'topk_offline'"):
-        dist.resolve_strategy("fsdp2", "full", 2, "distill-offline", "run.toml")
+    assert dist.resolve_strategy("fsdp2", "lora", 2, "ppo", "run.toml") == "fsdp2"
     with pytest.raises(dist.ConfigError, match="mixed_precision = 'bf16' applies to fsdp2"):
         dist.resolve_strategy("auto", "lora", 2, "sft", "run.toml", None, "bf16")
     with pytest.raises(dist.ConfigError, match=r"\[grpo.judge\] runs on one process"):

@@ -430,10 +430,10 @@ class DistributedTable:
     strategy: str = opt("auto", choices=("auto", "none", "ddp", "fsdp2"), trajectory=False,
                         help="with several processes (torchrun, --nproc): ddp = every rank holds the model and "
                              "works on its share of each step, gradients all-reduced (the update equals one "
-                             "process's); fsdp2 = the same with weights and optimizer state sharded (sft, "
-                             "preference, grpo, on-policy distill; the RL loops sample from the weights gathered "
-                             "whole; with a LoRA the frozen base is sharded too; not ppo); auto = fsdp2 for full "
-                             "fine-tunes of those, else ddp; none = refuse several processes")
+                             "process's); fsdp2 = the same with weights and optimizer state sharded (every "
+                             "algorithm; the RL loops sample from the weights gathered whole; with a LoRA the "
+                             "frozen base is sharded too); auto = fsdp2 for full fine-tunes, ddp for a LoRA; "
+                             "none = refuse several processes")
     mixed_precision: str = opt("none", choices=("none", "bf16"),
                                help="fsdp2: bf16 = layers compute in bfloat16 (gathered weights cast, half the "
                                     "communication) while the sharded weights, optimizer and gradient reduction stay "

@@ -56,11 +56,15 @@ def _finish(model, tokenizer):
     return model, tokenizer
 
 
-def _from_folder(folder: str, dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _from_folder(folder: str, dtype, weights: bool = True):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        if weights:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        else:  # the architecture only: parameters and buffers on the meta device, nothing read or allocated
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=dtype)
     except (OSError, ValueError, KeyError) as e:
         raise ModelError(f"cannot load a causal language model from {folder}: {e}") from None
     return _finish(model, tok)
@@ -93,34 +97,36 @@ def _converted_gguf(gguf: Path, dtype, log) -> tuple[str, str]:
     return str(folder), digest
 
 
-def load_model(path: str, dtype: str = "float32", log=print) -> LoadedModel:
-    """Load model + tokenizer. Raises ModelError with the path when it cannot."""
+def load_model(path: str, dtype: str = "float32", log=print, weights: bool = True) -> LoadedModel:
+    """Load model + tokenizer. Raises ModelError with the path when it cannot. `weights=False` builds the
+    model on the meta device without reading its weights (an FSDP2 rank that receives its shards from
+    rank 0: dist.shard_model); a .gguf is converted first all the same, unless already cached."""
     _quiet_transformers()
     torch_dtype = DTYPES[dtype]
     name = path
     if is_builtin(path):
         gguf = builtin_gguf(path, log)
         folder, digest = _converted_gguf(gguf, torch_dtype, log)
-        model, tok = _from_folder(folder, torch_dtype)
+        model, tok = _from_folder(folder, torch_dtype, weights)
         return LoadedModel(model, tok, name, str(gguf), digest)
     p = Path(os.path.expanduser(path))
     if p.is_file():
         if p.suffix != ".gguf":
             raise ModelError(f"model.path {path}: a file must be a .gguf model; for an HF model give its folder")
         folder, digest = _converted_gguf(p.resolve(), torch_dtype, log)
-        model, tok = _from_folder(folder, torch_dtype)
+        model, tok = _from_folder(folder, torch_dtype, weights)
         return LoadedModel(model, tok, name, str(p.resolve()), digest)
     if p.is_dir():
         if not (p / "config.json").exists():
             ggufs = sorted(p.glob("*.gguf"))
             if len(ggufs) == 1:
-                return load_model(str(ggufs[0]), dtype, log)
+                return load_model(str(ggufs[0]), dtype, log, weights)
             raise ModelError(f"model.path {path}: the folder has no config.json (not an HF model folder)")
-        model, tok = _from_folder(str(p), torch_dtype)
+        model, tok = _from_folder(str(p), torch_dtype, weights)
         return LoadedModel(model, tok, name, str(p.resolve()), fingerprint_path(p))
     if path.startswith("hf:") and _HUB_ID.match(path[3:]):
         # an explicit hub id needs the network; nothing in the tests uses one
-        model, tok = _from_folder(path[3:], torch_dtype)
+        model, tok = _from_folder(path[3:], torch_dtype, weights)
         return LoadedModel(model, tok, name, path, path)
     raise ModelError(f"model.path {path!r} does not exist: give an HF model folder, a .gguf file, a built-in "
                      f"alias ({', '.join(BUILTINS)}) or hf:ORG/NAME for a Hugging Face Hub id")

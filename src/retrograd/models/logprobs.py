@@ -54,11 +54,22 @@ class Scorer:
         self.base = base
         plain_head = isinstance(self.head, torch.nn.Linear) and self.head.bias is None
         transforms = any(getattr(base.config, k, None) not in (None, 1.0) for k in _LOGIT_TRANSFORMS)
-        # a sharded (FSDP2) model gathers its weights inside its own forward only: score through it
+        # the head can run fused on the final hidden states (and hand those states to a value head)
+        self.fusable = plain_head and not transforms
         from retrograd.dist import is_sharded
-        self.fused = plain_head and not transforms and not is_sharded(base)
+        self.sharded = is_sharded(base)
         # prompts may run once for all their completions (needs the fused head and a checked architecture)
-        self.shares_prompts = self.fused and getattr(base.config, "model_type", None) in SHARED_PROMPT_MODELS
+        self.shares_prompts = (self.fusable and not self.sharded
+                               and getattr(base.config, "model_type", None) in SHARED_PROMPT_MODELS)
+
+    @property
+    def fused(self) -> bool:
+        """This call runs the fused head. A sharded (FSDP2) model gathers its weights inside its own forward
+        only, so it scores through that forward, except inside dist.unsharded (the weights held whole)."""
+        if not self.fusable:
+            return False
+        from retrograd.dist import is_whole
+        return not self.sharded or is_whole(self.base)
 
     # ---- the two forwards ------------------------------------------------------------------------
     def hidden(self, batch: dict) -> torch.Tensor:
@@ -108,7 +119,8 @@ class Scorer:
             logp = linear_token_logprobs(h, self.head.weight, y, chunk_size=CE_CHUNK_ROWS)
         else:
             if states:
-                raise ValueError("hidden states are read from the fused head: this model's head is not a plain linear layer")
+                raise ValueError("hidden states are read from the fused head: it needs a plain linear LM head and, on a "
+                                 "sharded model, the weights gathered whole (dist.unsharded)")
             logp = self._shifted_logprobs(batch)[keep]
         out = torch.zeros(labels.shape[0], width, dtype=logp.dtype, device=logp.device).index_put((rows, cols), logp)
         if not states:

@@ -47,11 +47,12 @@ def save_training_state(directory: Path, name: str, model, optimizer, progress: 
 
 
 def save_sharded_training_state(directory: Path, name: str, model, optimizer, progress: dict, meta: dict,
-                                rank_rngs: list, world) -> None:
+                                rank_rngs: list, world, extra=None) -> None:
     """An FSDP2 run's checkpoint: every rank writes its shards of the weights and the optimizer state
     (torch.distributed.checkpoint: .metadata + __R_0.distcp) into one staging folder, then rank 0 adds
-    the RNGs and progress, the manifest over every file, and renames the folder into place as
-    save_state does for one process."""
+    the RNGs, progress and `extra(folder)` (what else the loop keeps, replicated on every rank: PPO's
+    critic), the manifest over every file, and renames the folder into place as save_state does for one
+    process."""
     from retrograd import dist
     staging = Path(directory) / f".staging-{name}-sharded"
     if world.main:
@@ -67,6 +68,8 @@ def save_sharded_training_state(directory: Path, name: str, model, optimizer, pr
             for rank, state in enumerate(rank_rngs[1:], start=1):
                 torch.save(state, folder / f"rng-rank-{rank}.pt")
             (folder / "progress.json").write_text(json.dumps(progress, indent=1, sort_keys=True))
+            if extra is not None:
+                extra(folder)
         ckpt.save_state(Path(directory), name, write, {**meta, "step": progress["step"]}, staging=staging)
     dist.barrier()
 

@@ -103,8 +103,10 @@ class ModelCritic(Critic):
         self.optimizer = torch.optim.AdamW([self.weight, self.bias, *self.lora], lr=cfg.value_lr, weight_decay=0.0)
 
     def bind(self, batch) -> None:
-        """The update's rollouts (policy_update.UpdateBatch): what the critic model reads."""
-        self.batch = batch
+        """The update's rollouts (policy_update.UpdateBatch): what the critic model reads, in the passes
+        planned for all of them (under torchrun the policy's passes are then cut to each rank's share;
+        every rank fits the critic on every rollout)."""
+        self.batch, self.passes = batch, list(batch.passes)
 
     def features(self, states: torch.Tensor):
         return self.batch
@@ -121,7 +123,7 @@ class ModelCritic(Critic):
     def values(self, batch) -> torch.Tensor:
         out = torch.zeros(len(batch.seqs), batch.width)
         with torch.no_grad():
-            for idx in batch.passes:
+            for idx in self.passes:
                 out[torch.tensor(idx)] = self._pass_values(batch, idx).cpu()
         return out
 
@@ -131,7 +133,7 @@ class ModelCritic(Critic):
                    "policy/value_loss": float(value_loss(before, returns.float(), mask))}
         n = mask.sum().clamp(min=1)
         for _ in range(self.cfg.value_epochs):  # passes accumulate into one full-batch step
-            for idx in batch.passes:
+            for idx in self.passes:
                 rows = torch.tensor(idx)
                 v, m = self._pass_values(batch, idx), mask[rows].float()
                 (0.5 * (((v - returns[rows].float()) ** 2) * m).sum() / n).backward()

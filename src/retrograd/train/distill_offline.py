@@ -12,7 +12,8 @@ with another text's targets).
 
 Training (TopkTask, a Task of the offline loop in train/offline.py) minimises at every trained position
 the forward KL(teacher || student) over k + 1 buckets, the top-k tokens and the tail mass
-(models/fused_head.linear_topk_kl_sum: chunked, never [B, T, V]). Evaluation reads the eval split: the
+(models/fused_head.linear_topk_kl_sum: chunked, never [B, T, V]; under FSDP2, whose model gathers its
+head inside its own forward only, from that forward's logits). Evaluation reads the eval split: the
 same KL per position and the top-1 agreement with the teacher.
 """
 from __future__ import annotations
@@ -170,8 +171,8 @@ class TopkTask:
         cfg, tr, d, ev = run.cfg, run.cfg.training, run.cfg.distill, run.cfg.evaluation
         self.run, self.tr, self.ev = run, tr, ev
         self.scorer = Scorer(run.model)
-        self.loss_scale = 1.0  # required by the offline loop; FSDP2 (which sets it) does not run this task
-        if not self.scorer.fused:
+        self.loss_scale = 1.0  # the offline loop sets it under FSDP2
+        if not self.scorer.fusable:
             raise ConfigError(f"model.path {cfg.model.path}: offline top-k distillation needs a plain linear LM head "
                               "(this model transforms its logits); use mode = \"on_policy\"")
         tok = run.tokenizer
@@ -218,10 +219,15 @@ class TopkTask:
         """One pass's forward and backward; returns its summed KL. Its own function so that the pass's
         graph dies before the next pass allocates (why: train/sft.py SftTask._pass_backward)."""
         batch = to_device(collate(chunk, self.pad_id), self.run.device)
-        h, _ = select_targets(self.scorer.hidden(batch), batch["labels"])
         ids, logp = self._targets("train", indexed)
-        loss = linear_topk_kl_sum(h, self.scorer.head.weight, ids, logp, CE_CHUNK_ROWS)
-        (loss / n_targets).backward()
+        if self.scorer.fused:  # chunked: never [positions, V] logits
+            h, _ = select_targets(self.scorer.hidden(batch), batch["labels"])
+            loss = linear_topk_kl_sum(h, self.scorer.head.weight, ids, logp, CE_CHUNK_ROWS)
+        else:  # a sharded (FSDP2) model: its own forward gathers the head, so the KL reads its logits
+            loss = sum(topk_bucket_kl(student, ids[s:s + len(y)], logp[s:s + len(y)].float()).sum()
+                       for s, (student, y) in zip(range(0, len(ids), CE_CHUNK_ROWS),
+                                                  self.scorer.labelled_distributions(batch)))
+        (loss / n_targets * self.loss_scale).backward()
         return float(loss.detach())
 
     def loss_weight(self, rows: list) -> float:
@@ -237,13 +243,13 @@ class TopkTask:
         for i in range(0, len(self.eval_rows), bs):
             rows = self.eval_rows[i:i + bs]
             batch = to_device(collate([e for _, e in rows], self.pad_id), self.run.device)
-            h, _ = select_targets(self.scorer.hidden(batch), batch["labels"])
             ids, logp = self._targets("eval", rows)
-            for s in range(0, h.shape[0], CE_CHUNK_ROWS):
-                student = torch.log_softmax(h[s:s + CE_CHUNK_ROWS] @ self.scorer.head.weight.t(), -1, dtype=torch.float32)
-                kl += float(topk_bucket_kl(student, ids[s:s + CE_CHUNK_ROWS], logp[s:s + CE_CHUNK_ROWS].float()).sum())
-                same += int((student.argmax(-1) == ids[s:s + CE_CHUNK_ROWS, 0]).sum())
-            n += h.shape[0]
+            s = 0
+            for student, y in self.scorer.labelled_distributions(batch):  # [C, V] float32, C <= CE_CHUNK_ROWS
+                kl += float(topk_bucket_kl(student, ids[s:s + len(y)], logp[s:s + len(y)].float()).sum())
+                same += int((student.argmax(-1) == ids[s:s + len(y), 0]).sum())
+                s += len(y)
+            n += s
         model.train(was_training)
         return {"eval/teacher_kl": kl / max(1, n), "eval/top1_agreement": same / max(1, n)}
 

@@ -35,11 +35,11 @@ from retrograd.errors import ConfigError
 from retrograd.models.logprobs import Scorer
 from retrograd.rl.judge import judge_from_config
 from retrograd.rl.rewards import rewards_from_config
-from retrograd.rl.sampler import eos_ids
+from retrograd.rl.sampler import eos_ids, whole_weights
 from retrograd.train.checkpointing import run_meta
 from retrograd.train.common import StopRequest
 from retrograd.train.critic import Critic, ModelCritic
-from retrograd.train.policy_update import build_batch, epoch_backward, policy_metrics, score_old_policy
+from retrograd.train.policy_update import build_batch, epoch_backward, keep_share, policy_metrics, score_old_policy
 from retrograd.train.rollouts import CompletionsLog, collect, collect_sharded, greedy_rewards, rollout_metrics
 from retrograd.train.setup import (TrainResult, check_resumable, evaluation_due, finish, lr_for, open_metrics,
                                    record_eval, resolve_resume, restore, save_checkpoint, schedule_state, start_run)
@@ -71,7 +71,7 @@ def train_ppo(cfg, resume: str | None = None, log=print) -> TrainResult:
     loss_params = {"clip_low": p.clip_range, "clip_high": p.clip_range if p.clip_range_high is None
                    else p.clip_range_high, "clip_ratio_c": p.clip_ratio_c}
     scorer = Scorer(model)
-    if not scorer.fused:
+    if not scorer.fusable:
         raise ConfigError(f"{cfg.source}: PPO's critic reads the final hidden states through the fused LM head; "
                           f"{model.config.model_type}'s head is not a plain linear layer")
     share_prompts = scorer.shares_prompts
@@ -103,7 +103,9 @@ def train_ppo(cfg, resume: str | None = None, log=print) -> TrainResult:
 
     def evaluate() -> dict:  # under torchrun each rank answers its share of the prompts
         mine = dist.shard(eval_prompts, world)
-        r = dist.reduce_metrics(greedy_rewards(model, tok, mine, rewards, sp, eos, p.overlong_penalty), len(mine), set())
+        with whole_weights(model):  # FSDP2: gathered once, so the ranks' chunks need not pair up
+            r = greedy_rewards(model, tok, mine, rewards, sp, eos, p.overlong_penalty)
+        r = dist.reduce_metrics(r, len(mine), set())
         return {"eval/mean_reward": r.pop("mean_reward"), **{f"eval/reward/{k}": v for k, v in r.items()}}
 
     def save(name: str) -> None:
@@ -172,14 +174,17 @@ def train_ppo(cfg, resume: str | None = None, log=print) -> TrainResult:
                         completions_log.write(update + 1, rollouts, per_completion)
 
                     # ---- 3. ppo_epochs optimizer steps on the same rollouts ---------------------------------
+                    if world.distributed:  # this rank's share of the passes; its first epoch records their old log-probs
+                        update_batch = keep_share(update_batch, world)
+                        update_batch.old.clear()
+                        update_batch.is_weights.clear()
                     loss_total, stats = 0.0, []
                     for epoch in range(p.ppo_epochs):
                         loss, st = epoch_backward(scorer, update_batch, loss_fn, loss_params,
                                                   ref_logp=update_batch.old if p.kl_coefficient > 0 else None,
                                                   beta=p.kl_coefficient)
-                        # under torchrun every rank computed the whole update: averaging the (equal)
-                        # gradients keeps the replicas in step even where kernels are not deterministic
-                        dist.all_reduce_gradients(run.params, 1.0)
+                        # under torchrun: every rank's passes summed, one process's gradient and loss
+                        loss, st = dist.sum_epoch(run.params, loss, st)
                         grad_norms.append(optimizer_step(run.optimizer, run.params, tr.max_grad_norm))
                         loss_total += loss / p.ppo_epochs
                         stats += st

@@ -153,10 +153,11 @@ def check_output_writable(cfg) -> None:
         raise ConfigError(f"{cfg.source}: output {cfg.output.path!r}: {e}") from None
 
 
-def prepare_model(cfg, log):
-    """Load the base model, attach (or initialise) the LoRA; returns (cfg, loaded, model, modules)."""
+def prepare_model(cfg, log, weights: bool = True):
+    """Load the base model, attach (or initialise) the LoRA; returns (cfg, loaded, model, modules).
+    `weights=False`: everything on the meta device (load_model), to be filled by dist.shard_model."""
     tr = cfg.training
-    loaded = load_model(cfg.model.path, cfg.model.dtype, log=log)
+    loaded = load_model(cfg.model.path, cfg.model.dtype, log=log, weights=weights)
     model, modules = loaded.model, None
     if tr.trainable == "lora":
         lc = cfg.lora
@@ -202,7 +203,14 @@ def start_run(cfg, log, cpu_pass_tokens: int = 512) -> Run:
         warning = bf16_warning(device, key, value) if value in ("bfloat16", "bf16") else None
         if warning:
             log(warning)
-    cfg, loaded, model, modules = prepare_model(cfg, log)
+    # FSDP2: rank 0 reads the weights (and converts a .gguf) first; the other ranks then build the model on
+    # the meta device and receive only their shards from it (dist.shard_model)
+    sharded = world.strategy == "fsdp2"
+    if sharded and not world.main:
+        dist.barrier()
+    cfg, loaded, model, modules = prepare_model(cfg, log, weights=world.main or not sharded)
+    if sharded and world.main:
+        dist.barrier()
     gguf_copies = (tr.trainable == "lora" and ck is not None and model.config.model_type in GGUF_ARCHS
                    and world.strategy != "fsdp2")  # a sharded adapter is whole only in `retrograd export`
     if tr.trainable == "lora" and ck is not None and world.strategy == "fsdp2":
@@ -211,9 +219,12 @@ def start_run(cfg, log, cpu_pass_tokens: int = 512) -> Run:
     elif tr.trainable == "lora" and ck is not None and not gguf_copies:
         log(f"note: no .gguf copies beside checkpoints: llama.cpp adapters are written for "
             f"{', '.join(GGUF_ARCHS)} models, not {model.config.model_type!r}")
-    model.to(device).train()
-    if world.strategy == "fsdp2":  # 1/N of every weight (and of its optimizer state) per rank
-        dist.shard_model(model, device.type, cfg.distributed.mixed_precision)
+    if sharded:  # 1/N of every weight (and of its optimizer state) per rank
+        if world.main:
+            model.to(device)
+        dist.shard_model(model.train(), device, cfg.distributed.mixed_precision)
+    else:
+        model.to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
     n_train, n_all = sum(p.numel() for p in params), sum(p.numel() for p in model.parameters())
     log(f"model {loaded.source}: {n_all:,} parameters, {n_train:,} trainable ({tr.trainable})")
@@ -331,7 +342,8 @@ def save_checkpoint(run: Run, name: str, progress: dict, meta: dict, extra=None)
     rank_rngs = dist.gather_objects(rng_state())  # every rank's generators; rank 0 writes them all
     if run.world.strategy == "fsdp2":  # every rank writes its shards into the one checkpoint folder
         io.save_sharded_training_state(Path(ck.directory), name, run.model, run.optimizer, progress,
-                                       {**meta, "world_size": run.world.size, "sharded": True}, rank_rngs, run.world)
+                                       {**meta, "world_size": run.world.size, "sharded": True}, rank_rngs, run.world,
+                                       extra)
         return
     if run.world.main:
         io.save_training_state(Path(ck.directory), name, run.model, run.optimizer, progress,
