@@ -1,4 +1,4 @@
-"""Helpers of the 2-process torchrun tests (tests/dist): launch `retrograd train --nproc N` as a user
+"""Helpers of the 2-process torchrun tests (tests/distributed): launch `retrograd train --nproc N` as a user
 does, read what the runs wrote, find a rank's process."""
 from __future__ import annotations
 

@@ -12,9 +12,9 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def test_dpo_example_raises_held_out_accuracy(tmp_path, real_home):
+def test_dpo_example_raises_held_out_accuracy(tmp_path, real_home, threads):
     shutil.copy(ROOT / "examples" / "dpo.toml", tmp_path / "dpo.toml")
-    proc = subprocess.run([sys.executable, "-m", "retrograd", "train", "dpo.toml", "--threads", "2",
+    proc = subprocess.run([sys.executable, "-m", "retrograd", "train", "dpo.toml", "--threads", threads,
                            "--set", "training.max_steps=12", "--set", "evaluation.every_steps=12",
                            "--set", "evaluation.max_examples=24", "--set", "checkpoint.every_steps=12"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=1500)

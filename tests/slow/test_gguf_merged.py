@@ -23,10 +23,10 @@ def run(*args, cwd):
     return proc
 
 
-def test_merged_gguf_matches_torch(tmp_path, real_home):
+def test_merged_gguf_matches_torch(tmp_path, real_home, threads):
     cfg = tmp_path / "run.toml"
     shutil.copy(ROOT / "examples" / "quickstart.toml", cfg)
-    run("train", cfg, "--threads", "2", "--set", "training.max_steps=2", "--set", "training.lr=0.01",
+    run("train", cfg, "--threads", threads, "--set", "training.max_steps=2", "--set", "training.lr=0.01",
         "--set", "training.warmup_steps=0", "--set", "checkpoint.every_steps=2", "--set", "training.batch_size=2", "--set", "training.gradient_accumulation=1",
         "--set", "evaluation.max_examples=2", "--set", "lora.targets=['q', 'k', 'v']", cwd=tmp_path)
     state = tmp_path / "out" / "quickstart-checkpoints" / "step-000000000002.state"
@@ -50,9 +50,9 @@ def test_merged_gguf_matches_torch(tmp_path, real_home):
     assert (tmp_path / "merged-q8.gguf").stat().st_size < 0.4 * (tmp_path / "merged-f32.gguf").stat().st_size
 
 
-def test_full_fine_tune_written_as_gguf(tmp_path, real_home):
+def test_full_fine_tune_written_as_gguf(tmp_path, real_home, threads):
     cfg = tmp_path / "full.toml"
-    cfg.write_text("""
+    cfg.write_text(f"""
 [run]
 algorithm = "sft"
 [model]
@@ -64,7 +64,7 @@ trainable = "full"
 lr = 1e-3
 max_steps = 1
 batch_size = 2
-threads = 2
+threads = {threads}
 [sft]
 data = "builtin:chat-sft"
 [checkpoint]

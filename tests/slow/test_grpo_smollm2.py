@@ -12,9 +12,9 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def test_grpo_example_raises_held_out_accuracy(tmp_path, real_home):
+def test_grpo_example_raises_held_out_accuracy(tmp_path, real_home, threads):
     shutil.copy(ROOT / "examples" / "grpo.toml", tmp_path / "grpo.toml")
-    proc = subprocess.run([sys.executable, "-m", "retrograd", "train", "grpo.toml", "--threads", "2",
+    proc = subprocess.run([sys.executable, "-m", "retrograd", "train", "grpo.toml", "--threads", threads,
                            "--set", "grpo.updates=10"], cwd=tmp_path, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "runs" / "grpo" / "metrics.jsonl").read_text().splitlines()]

@@ -12,10 +12,10 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def test_quickstart_lowers_held_out_loss(tmp_path, real_home):
+def test_quickstart_lowers_held_out_loss(tmp_path, real_home, threads):
     cfg = tmp_path / "quickstart.toml"
     shutil.copy(ROOT / "examples" / "quickstart.toml", cfg)
-    proc = subprocess.run([sys.executable, "-m", "retrograd", "train", str(cfg), "--threads", "2"], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-m", "retrograd", "train", str(cfg), "--threads", threads], cwd=tmp_path,
                           capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "runs" / "quickstart" / "metrics.jsonl").read_text().splitlines()]

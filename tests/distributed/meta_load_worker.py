@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/dist/test_fsdp2.py: rank 0 reads the model, every other rank only builds it
+"""Run under torchrun by tests/distributed/test_fsdp2.py: rank 0 reads the model, every other rank only builds it
 on the meta device; after dist.shard_model each rank's weights, buffers (RoPE's inv_freq is not in the
 state dict) and forward equal the model read from disk. Prints META-LOAD-OK <rank> when they do."""
 from __future__ import annotations

@@ -1,0 +1,18 @@
+"""The test command collects every test file: a folder pytest skips by default (`dist`, `build`, ...)
+once kept the 2-process tests out of CI without a word."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_default_command_collects_every_test_file():
+    p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    collected = {line.split("::")[0] for line in p.stdout.splitlines() if "::" in line}
+    on_disk = {str(f.relative_to(ROOT)) for f in (ROOT / "tests").rglob("test_*.py")}
+    assert on_disk == collected, sorted(on_disk ^ collected)
