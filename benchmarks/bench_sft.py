@@ -34,6 +34,7 @@ Run from the repository root on an IDLE machine (load average < 2, one benchmark
     pip install -e '.[bench]'          # trl==1.16.0, datasets (do not let pip change torch)
     python benchmarks/bench_sft.py --mode lora [--steps 20] [--repeats 3] [--out benchmarks/results]
     python benchmarks/bench_sft.py --mode full
+    python benchmarks/bench_sft.py --ab-lean-mlp     # + retrograd without models/lean_mlp.py, interleaved
     python benchmarks/bench_sft.py --smoke [--mode full]   # tiny random Llama, ~1 minute, $TMPDIR/bench_out
 
 Writes OUT/sft_lora_<timestamp>.json (sft_full_...; sft_lora_smoke_... with --smoke) and prints the
@@ -281,7 +282,16 @@ def worker_trl(s: dict, work: Path) -> dict:
             "torch_threads": torch.get_num_threads()}
 
 
-WORKERS = {"prepare": prepare, "retrograd": worker_retrograd, "trl": worker_trl}
+def worker_retrograd_plain_mlp(s: dict, work: Path) -> dict:
+    """retrograd with transformers' own MLP forward (models/lean_mlp.py switched off): the A/B of
+    --ab-lean-mlp, same losses bit for bit, so the difference is the lean product's time and memory."""
+    import retrograd.train.setup as setup
+    setup.lean_mlp = lambda model: 0
+    return worker_retrograd(s, work)
+
+
+WORKERS = {"prepare": prepare, "retrograd": worker_retrograd, "trl": worker_trl,
+           "retrograd_plain_mlp": worker_retrograd_plain_mlp}
 
 
 # ---- parent ------------------------------------------------------------------------------------------
@@ -366,6 +376,9 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=MICRO_BATCH,
                    help=f"retrograd's [training] micro_batch, tokens per pass (default {MICRO_BATCH}, its CPU default); "
                         "another value writes sft_<mode>-pass<N>_<timestamp>.json, which report.py leaves out")
+    p.add_argument("--ab-lean-mlp", action="store_true",
+                   help="a third side, retrograd with transformers' own MLP forward (the A/B of models/lean_mlp.py); "
+                        "writes sft_<mode>-ab-lean-mlp_<timestamp>.json, which report.py leaves out")
     add_common_args(p, 20, WORKERS)
     args = p.parse_args()
     if args.worker:
@@ -375,7 +388,9 @@ def main() -> None:
     repeats = args.repeats or (SMOKE["repeats"] if args.smoke else 3)
     if steps < 2:
         p.error("--steps must be at least 2 (step 1 is warm-up and is left out of the steady figure)")
-    name = f"sft_{args.mode}" + ("" if args.micro_batch == MICRO_BATCH else f"-pass{args.micro_batch}")
+    name = f"sft_{args.mode}" + ("" if args.micro_batch == MICRO_BATCH else f"-pass{args.micro_batch}") \
+        + ("-ab-lean-mlp" if args.ab_lean_mlp else "")
+    sides = [*SIDES, "retrograd_plain_mlp"] if args.ab_lean_mlp else list(SIDES)
     common.warn_if_busy()
     load = {"start": common.load_average()}
     peak = common.matmul_peak()
@@ -399,7 +414,7 @@ def main() -> None:
             return r
 
         checks = {}
-        runs, order = common.run_interleaved(list(SIDES), repeats, one, lambda rs: checks.update(check_runs(rs)))
+        runs, order = common.run_interleaved(sides, repeats, one, lambda rs: checks.update(check_runs(rs)))
     metrics = per_run_metrics(flops["total"], peak["fp32"])
     summary = {k: common.summarize(v, metrics) for k, v in runs.items()}
     first = runs["trl"][0]["loss"]
@@ -412,8 +427,11 @@ def main() -> None:
                      if args.mode == "lora" else None, "threads": THREADS, "seed": SEED,
                      "gradient_checkpointing": False, "loss_on": "all tokens", "row_order": "file order",
                      "steady": "steps 2+"},
-        "sides": {"retrograd": "retrograd", "trl": f"TRL {versions().get('trl')}"},
-        "flops_per_step": flops, "summary": summary, "ratios": {"retrograd/trl": common.ratios(summary, "retrograd", "trl")},
+        "sides": {"retrograd": "retrograd", "trl": f"TRL {versions().get('trl')}",
+                  **({"retrograd_plain_mlp": "retrograd, transformers' MLP forward"} if args.ab_lean_mlp else {})},
+        "flops_per_step": flops, "summary": summary, "ratios": {"retrograd/trl": common.ratios(summary, "retrograd", "trl"),
+                   **({"retrograd/retrograd_plain_mlp": common.ratios(summary, "retrograd", "retrograd_plain_mlp")}
+                      if args.ab_lean_mlp else {})},
         "checks": {"loss": checks}, "loss": {"first": first[0], "last": first[-1]},
         "prepare": prep, "runs": runs,
     }
@@ -423,6 +441,11 @@ def main() -> None:
     print(f"\nloss check: every step of every run within {LOSS_TOL:g} (relative) of TRL's, repeats within "
           f"{REPEAT_TOL:g}; largest differences {checks['max_abs_diff_vs_reference']} / across repeats "
           f"{checks['max_abs_diff_across_repeats']}")
+    if args.ab_lean_mlp:
+        for key in ("tokens_per_s", "peak_rss_mb"):
+            a, b = summary["retrograd"][key], summary["retrograd_plain_mlp"][key]
+            print(f"lean MLP A/B {key}: {a['median']:.1f} ({a['min']:.1f}-{a['max']:.1f}) with, "
+                  f"{b['median']:.1f} ({b['min']:.1f}-{b['max']:.1f}) without: {a['median'] / b['median']:.3f}x")
     print(f"wrote {path}")
 
 

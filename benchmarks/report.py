@@ -114,11 +114,12 @@ def cpu_label(r: dict) -> str:
     "AMD EPYC" machines here differ: one with AVX-512 and bf16, one with AVX2 only)."""
     m = r.get("machine") or {}
     flags = m.get("flags") or {}
-    name = m.get("cpu") or r.get("cpu") or "?"
+    name = (m.get("cpu") or r.get("cpu") or "?").replace("(R)", "")
     if not flags:
         return name
     unit = "AVX-512" if flags.get("avx512f") else "AVX2" if flags.get("avx2") else "no AVX2"
-    return f"{name} ({unit}{', bf16' if flags.get('avx512_bf16') or flags.get('amx_bf16') else ''})"
+    bf16 = ", AMX bf16" if flags.get("amx_bf16") else ", bf16" if flags.get("avx512_bf16") else ""
+    return f"{name} ({unit}{bf16})"
 
 
 def newest_per_cpu(kind: str, sides: tuple, folder: Path = RESULTS) -> list[tuple[Path, dict]]:

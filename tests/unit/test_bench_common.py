@@ -195,3 +195,13 @@ def test_grpo_notes_take_a_check_stated_in_words():
     text = "\n".join(report.notes("grpo", r))
     assert "Loss check passed: every update's loss equals its objective." in text
     assert "retrograd [16]" in text
+
+
+def test_cpu_label_names_the_vector_unit_and_how_bf16_is_computed():
+    def label(flags, name="Intel(R) Xeon(R) Processor"):
+        return report.cpu_label({"machine": {"cpu": name, "flags": flags}})
+    assert label({"avx2": True, "avx512f": True, "avx512_bf16": True, "amx_bf16": True}) == \
+        "Intel Xeon Processor (AVX-512, AMX bf16)"
+    assert label({"avx2": True, "avx512f": True}) == "Intel Xeon Processor (AVX-512)"  # the Xeon without bf16
+    assert label({"avx2": True, "avx512f": True, "avx512_bf16": True}, "AMD EPYC") == "AMD EPYC (AVX-512, bf16)"
+    assert label({}, "AMD EPYC") == "AMD EPYC"  # an old result without flags

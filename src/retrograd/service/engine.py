@@ -256,9 +256,11 @@ def sample_sequences(model, tokenizer, prompt: list[int], num_samples: int, para
 
 
 def read_base(name: str, path: str, log=print) -> BaseModel:
+    from retrograd.models.lean_mlp import lean_mlp
     from retrograd.models.load import load_model
     loaded = load_model(path, "float32", log=log)
     model = loaded.model
+    lean_mlp(model)  # what its training passes keep for backward: models/lean_mlp.py
     model.requires_grad_(False)
     model.eval()
     folder = Path(loaded.resolved)

@@ -33,6 +33,7 @@ from retrograd.export.gguf_lora import check_exportable, write_gguf_lora
 from retrograd.metrics import MetricsLogger
 from retrograd.models.adapter_io import adapter_layout, apply_adapter, read_spec
 from retrograd.models.architectures import ARCHS as GGUF_ARCHS
+from retrograd.models.lean_mlp import lean_mlp
 from retrograd.models.load import load_model
 from retrograd.models.lora import attach_lora
 from retrograd.train import checkpointing as io
@@ -173,6 +174,7 @@ def prepare_model(cfg, log, weights: bool = True):
         log(f"LoRA r={lc.rank} alpha={lc.alpha} on {', '.join(modules)}")
         if output_kind(cfg) == "adapter":
             check_exportable(model.config, cfg.lora.targets)  # refuse now, not after training
+    lean_mlp(model)  # the gated MLP keeps a third less for backward, bit for bit the same results
     if tr.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return cfg, loaded, model, modules
