@@ -16,3 +16,12 @@ def test_the_default_command_collects_every_test_file():
     collected = {line.split("::")[0] for line in p.stdout.splitlines() if "::" in line}
     on_disk = {str(f.relative_to(ROOT)) for f in (ROOT / "tests").rglob("test_*.py")}
     assert on_disk == collected, sorted(on_disk ^ collected)
+
+
+def test_the_longest_tests_are_queued_first():
+    """conftest's ordering: real-model runs, then 2-process runs, then the rest (see its docstring)."""
+    p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    folders = [line.split("/")[1] for line in p.stdout.splitlines() if line.startswith("tests/") and "::" in line]
+    firsts = [f for i, f in enumerate(folders) if i == 0 or folders[i - 1] != f]
+    assert firsts[:2] == ["slow", "distributed"] and "slow" not in firsts[2:] and "distributed" not in firsts[2:], firsts[:6]
