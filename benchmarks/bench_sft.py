@@ -70,9 +70,12 @@ SMOKE = {"seq": 64, "steps": 4, "repeats": 2, "lr": {"lora": 1e-2, "full": 1e-3}
 # 2e-3 relative leaves room for that drift growing over a longer run, and still fails any
 # difference in data, masking, optimizer or schedule, which moves the loss by 1e-2 or more.
 LOSS_TOL = 2e-3
-# The same side repeats the same arithmetic: on CPU with fixed threads the losses repeat bit for
-# bit (checked in --smoke); 1e-6 allows a last-digit difference and nothing more.
-REPEAT_TOL = 1e-6
+# The same side repeats the same arithmetic: on CPU with fixed threads the losses mostly repeat bit
+# for bit (checked in --smoke). On the Intel Xeon with AMX a full fine-tune's very first loss (a plain
+# forward of the same weights) differed by 2.3e-6 relative between two processes: oneDNN's kernels
+# there do not sum in one fixed order from run to run. 1e-5 allows that and nothing a change in the
+# work could cause (LOSS_TOL's 1e-2).
+REPEAT_TOL = 1e-5
 SIDES = ("retrograd", "trl")
 
 
