@@ -73,8 +73,8 @@ LOSS_TOL = 2e-3
 # The same side repeats the same arithmetic: on CPU with fixed threads the losses mostly repeat bit
 # for bit (checked in --smoke). On the Intel Xeon with AMX a full fine-tune's very first loss (a plain
 # forward of the same weights) differed by 2.3e-6 relative between two processes: oneDNN's kernels
-# there do not sum in one fixed order from run to run. 1e-5 allows that and nothing a change in the
-# work could cause (LOSS_TOL's 1e-2).
+# there do not sum in one fixed order from run to run. 1e-5 allows that and still fails any change
+# in the work (which moves the loss by 1e-2 or more, as above).
 REPEAT_TOL = 1e-5
 SIDES = ("retrograd", "trl")
 
