@@ -90,3 +90,35 @@ def test_no_grad_evaluation_path():
         loss = linear_cross_entropy_sum(h, w, y, chunk_size=4)
     ref = torch.nn.functional.cross_entropy(h @ w.detach().t(), y, reduction="sum")
     assert torch.allclose(loss, ref, atol=1e-5)
+
+
+def test_chunk_log_softmax_is_the_out_of_place_result_in_one_reused_buffer():
+    from retrograd.models.fused_head import ChunkLogSoftmax
+    torch.manual_seed(0)
+    w = torch.randn(50, 8)
+    h = torch.randn(7, 8)
+    f = ChunkLogSoftmax(w, torch.float32)
+    first = f(h[:4])
+    assert torch.equal(first, torch.log_softmax(h[:4] @ w.t(), dim=-1))
+    ptr = first.data_ptr()
+    last = f(h[4:])  # a shorter last chunk: the same buffer's leading rows
+    assert last.data_ptr() == ptr and last.shape == (3, 50)
+    assert torch.equal(last, torch.log_softmax(h[4:] @ w.t(), dim=-1))
+    # bf16 hidden and weight: float32 log-probabilities, as log_softmax(..., dtype=float32) gives them
+    hb, wb = h.bfloat16(), w.bfloat16()
+    out = ChunkLogSoftmax(wb, torch.float32)(hb)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, torch.log_softmax(hb @ wb.t(), dim=-1, dtype=torch.float32))
+
+
+def test_chunked_loss_and_gradient_do_not_depend_on_the_chunk_size():
+    # the reused buffer must not carry one chunk's values into the next (a shorter last chunk included)
+    torch.manual_seed(1)
+    h = torch.randn(11, 6, requires_grad=True)
+    w = torch.randn(17, 6)
+    y = torch.randint(0, 17, (11,))
+    whole = linear_cross_entropy_sum(h, w, y, chunk_size=11)
+    (g_whole,) = torch.autograd.grad(whole, h)
+    chunked = linear_cross_entropy_sum(h, w, y, chunk_size=4)
+    (g_chunked,) = torch.autograd.grad(chunked, h)
+    assert torch.allclose(whole, chunked, rtol=1e-6) and torch.allclose(g_whole, g_chunked, atol=1e-6)
