@@ -148,3 +148,23 @@ def test_full_fine_tune_dpo(tmp_path, tiny_model, cli):
     assert evals[0]["eval/preference_loss"] == pytest.approx(math.log(2), abs=1e-9)
     assert evals[-1]["eval/preference_loss"] < evals[0]["eval/preference_loss"]
     assert (tmp_path / "out" / "adapter" / "model.safetensors").is_file()  # an HF model folder
+
+
+
+def test_reference_and_evaluation_score_in_the_same_larger_no_gradient_passes(tmp_path, tiny_model, monkeypatch):
+    # the reference is scored in the passes evaluation uses (so step 0 evaluates to exactly ln 2 on any
+    # model), and those no-gradient passes are SCORING_PASS_FACTOR times a training pass
+    from retrograd.config import load_config
+    from retrograd.train import preference
+    budgets = []
+    real = preference.split_pairs
+
+    def spy(pairs, budget):
+        budgets.append((torch.is_grad_enabled(), budget))
+        return real(pairs, budget)
+    monkeypatch.setattr(preference, "split_pairs", spy)
+    cfg = write_pref_run(tmp_path, tiny_model, EXTRA.replace("threads = 2", "threads = 2\nmicro_batch = 8"), steps=1)
+    preference.train_preference(load_config(cfg), log=lambda m: None)
+    assert {b for grad, b in budgets if grad} == {8}
+    assert {b for grad, b in budgets if not grad} == {8 * preference.SCORING_PASS_FACTOR}
+    assert preference.SCORING_PASS_FACTOR > 1

@@ -91,11 +91,11 @@ def eval_preference(cfg, model, tok, label, data) -> dict:
     from retrograd.data.preference import load_pairs, response_lengths
     from retrograd.data.sft import Renderer
     from retrograd.models.logprobs import Scorer
-    from retrograd.train.preference import score_pairs
+    from retrograd.train.preference import SCORING_PASS_FACTOR, score_pairs
     pc = cfg.preference
     pairs = load_pairs(data, Renderer(tok, cfg.training.ctx, True, pc.template_variables))
     scorer, device = Scorer(model), next(model.parameters()).device
-    budget = cfg.training.micro_batch or 512
+    budget = (cfg.training.micro_batch or 512) * SCORING_PASS_FACTOR  # the passes training evaluates in
     scores = {}
     for side, context in _sides(model, label):
         with context:
