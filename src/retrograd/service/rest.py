@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
-from retrograd.service.api import (URL_TTL_S, HttpError, Service, checkpoint_json, iso, not_found, optimizer_config,
-                                   parse_path)
+from retrograd.service.api import URL_TTL_S, HttpError, Service, not_found, optimizer_config
+from retrograd.service.checkpoints import checkpoint_json, iso, parse_path
 from retrograd.service.registry import Caller
 
 
@@ -89,7 +89,7 @@ def set_ttl(svc: Service, caller: Caller, run_id: str, checkpoint_id: str, body:
 
 
 def weights_info(svc: Service, caller: Caller, body: dict) -> dict:
-    row = svc._checkpoint(caller, body.get("tinker_path"), readable=True)
+    row = svc.checkpoints.find(caller, body.get("tinker_path"), readable=True)
     run = svc.registry.run(row.run_id, row.owner)
     lora = run["lora"]
     return {"base_model": run["base_model"], "is_lora": True, "lora_rank": lora["rank"],
@@ -100,7 +100,7 @@ def weights_info(svc: Service, caller: Caller, body: dict) -> dict:
 def row_optimizer(svc: Service, row) -> str:
     """The optimizer a checkpoint was trained with (its manifest's; adamw before Dimuon existed)."""
     try:
-        _, meta = svc._verified(row)
+        _, meta = svc.checkpoints.verified(row)
     except HttpError:
         return "adamw"
     return meta.get("service", {}).get("optimizer", "adamw")
@@ -109,7 +109,7 @@ def row_optimizer(svc: Service, row) -> str:
 def manifest(svc: Service, caller: Caller, run_id: str, checkpoint_id: str, base_url: str) -> dict:
     """What a client needs to download and verify a checkpoint: every file with its size and
     SHA-256 (the registry's copy, recorded when the save completed) and a signed URL for each."""
-    row = svc._checkpoint(caller, _path(run_id, checkpoint_id))
+    row = svc.checkpoints.find(caller, _path(run_id, checkpoint_id))
     urls, expires = {}, 0
     for name in sorted(row.files):
         rel, expires = svc.signer.url_path(row.storage_id, name, URL_TTL_S, caller.key_id)

@@ -70,11 +70,11 @@ class Sampling:
 
     def _make(self, caller: Caller, sampler_id: str, model_path, base_model) -> Sampler:
         if model_path:
-            row = self.svc._checkpoint(caller, model_path, readable=True)
+            row = self.svc.checkpoints.find(caller, model_path, readable=True)
             if row.kind == "external":
                 raise HttpError(400, f"{row.tinker_path} is an external (PEFT) export; sample from its "
                                      "sampler_weights or weights checkpoint")
-            folder, manifest = self.svc._verified(row)
+            folder, manifest = self.svc.checkpoints.verified(row)
             info = manifest["service"]
             base = self.svc._base(info["base_model"])
             self.svc._may_sample(caller, base.name)
