@@ -198,7 +198,7 @@ def draw_from_logits(logits: torch.Tensor, generator, active: torch.Tensor | Non
     `generator`: a torch.Generator (one stream for the batch) or GroupStreams (`active`: the rows'
     completion indices)."""
     logits = logits.float().cpu()
-    top = logits.max(-1, keepdim=True).values
+    top = logits.amax(-1, keepdim=True)  # the values alone: 35 vs 190 us at [16, 49152] on 2 threads
     cdf = (logits - top).exp_().cumsum_(-1)
     total = cdf[:, -1:]
     if isinstance(generator, GroupStreams):
