@@ -150,7 +150,6 @@ def test_full_fine_tune_dpo(tmp_path, tiny_model, cli):
     assert (tmp_path / "out" / "adapter" / "model.safetensors").is_file()  # an HF model folder
 
 
-
 def test_reference_and_evaluation_score_in_the_same_larger_no_gradient_passes(tmp_path, tiny_model, monkeypatch):
     # the reference is scored in the passes evaluation uses (so step 0 evaluates to exactly ln 2 on any
     # model), and those no-gradient passes are SCORING_PASS_FACTOR times a training pass

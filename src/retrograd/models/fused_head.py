@@ -157,8 +157,9 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
         with torch.no_grad():
             log_softmax = ChunkLogSoftmax(weight, acc)
-            return torch.cat([log_softmax(hidden[s:s + chunk_size]).gather(1, targets[s:s + chunk_size, None]).squeeze(1)
-                              for s in range(0, hidden.shape[0], chunk_size)])
+            chunks = range(0, hidden.shape[0], chunk_size)
+            return torch.cat([log_softmax(hidden[s:s + chunk_size]).gather(1, targets[s:s + chunk_size, None])[:, 0]
+                              for s in chunks])
     if weight.requires_grad:
         from torch.utils.checkpoint import checkpoint
         return torch.cat([checkpoint(plain, hidden[s:s + chunk_size], targets[s:s + chunk_size], use_reentrant=False)

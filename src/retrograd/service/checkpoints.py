@@ -107,6 +107,7 @@ class Checkpoints:
 
     def _write(self, owner, run: Run, kind, label, path, ttl, meta, replace) -> None:
         self.svc.sweep_expired()
+
         def payload(folder: Path) -> None:
             if kind == "external":  # a PEFT adapter folder: loads in HF transformers / PEFT and vLLM
                 from peft import get_peft_model_state_dict
@@ -126,9 +127,9 @@ class Checkpoints:
         storage_id, files, size = self.svc.store.save(label, payload, manifest_meta)
         now = time.time()
         old = self.svc.registry.checkpoint(path, owner) if replace else None
-        self.svc.registry.add_checkpoint(CheckpointRow(path, storage_id, owner, run.run_id.split(":")[0], run.run_id, kind,
-                                                   label, run.steps, files, size, now,
-                                                   now + ttl if ttl else None, meta), replace=replace)
+        row = CheckpointRow(path, storage_id, owner, run.run_id.split(":")[0], run.run_id, kind, label, run.steps,
+                            files, size, now, now + ttl if ttl else None, meta)
+        self.svc.registry.add_checkpoint(row, replace=replace)
         if old is not None:
             self.svc.store.remove(old.storage_id)
         self.svc.log(f"{owner}: saved {path} (step {run.steps}, {size / 1e6:.1f} MB)")
@@ -150,8 +151,8 @@ class Checkpoints:
 
         def job():
             run = self.svc.runs[model_id]
-            self.svc.sampling.keep(sampler_id, Sampler(sampler_id, caller.owner, run.base, None, run.snapshot(), run.lora,
-                                                   model_id))
+            self.svc.sampling.keep(sampler_id, Sampler(sampler_id, caller.owner, run.base, None, run.snapshot(),
+                                                       run.lora, model_id))
             return {"type": "save_weights_for_sampler", "sampling_session_id": sampler_id}
         return self.svc._ordered(caller, body, job)
 
@@ -186,7 +187,7 @@ class Checkpoints:
             self.svc.runs[model_id] = run
             self.svc.registry.add_run(model_id, session, caller.owner, base.name, run.lora, meta)
             self.svc.log(f"{caller.owner}: created {model_id} from {row.tinker_path} (step {run.steps}"
-                     f"{', with optimizer state' if with_optimizer else ''})")
+                         f"{', with optimizer state' if with_optimizer else ''})")
             return {"type": "load_weights", "model_id": model_id, "path": row.tinker_path}
         # this request is the model's seq 0 (the SDK's create-via-load); its ops continue at 1
         return self.svc._new_model(caller, model_id, create)
@@ -223,8 +224,8 @@ class Checkpoints:
         if self.svc.registry.run(run_id, caller.owner) is None:
             self.svc.registry.add_run(run_id, session, caller.owner, info["base_model"], info["lora"], {})
         now = time.time()
-        self.svc.registry.add_checkpoint(CheckpointRow(path, storage_id, caller.owner, session, run_id, row.kind, row.name,
-                                                   row.step, row.files, row.size_bytes, now, now + ttl if ttl else None,
-                                                   row.user_metadata), replace=False)
+        copy = CheckpointRow(path, storage_id, caller.owner, session, run_id, row.kind, row.name, row.step, row.files,
+                             row.size_bytes, now, now + ttl if ttl else None, row.user_metadata)
+        self.svc.registry.add_checkpoint(copy, replace=False)
         self.svc.log(f"{caller.owner}: copied {row.tinker_path} to {path}")
         return {"tinker_path": path}

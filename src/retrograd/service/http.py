@@ -192,17 +192,18 @@ def build_app(svc: Service, hosts: set[str], base_url: str, log=print) -> Gate:
             body = await _json(request)
             if route == "retrieve_future":
                 return await _retrieve(caller, body)
+            ck = svc.checkpoints
             simple = {"create_session": svc.create_session, "session_heartbeat": svc.heartbeat,
                       "create_model": svc.create_model, "get_info": svc.get_info, "optim_step": svc.optim_step,
-                      "save_weights": svc.checkpoints.save_weights, "save_weights_for_sampler": svc.checkpoints.save_weights_for_sampler,
-                      "save_weights_external": svc.checkpoints.save_weights_external, "load_weights": svc.checkpoints.load_weights,
+                      "save_weights": ck.save_weights, "save_weights_for_sampler": ck.save_weights_for_sampler,
+                      "save_weights_external": ck.save_weights_external, "load_weights": ck.load_weights,
                       "create_sampling_session": svc.sampling.create_session, "asample": svc.sampling.asample,
                       "create_custom_loss": svc.create_custom_loss, "join_sampling_session": svc.sampling.join,
                       "weights_info": lambda c, b: rest.weights_info(svc, c, b)}
             if route in simple:
                 return JSONResponse(await call(simple[route], caller, body))
             if route == "copy_weights":
-                return JSONResponse(await call(svc.checkpoints.copy_weights, caller, body))
+                return JSONResponse(await call(ck.copy_weights, caller, body))
             m = re.fullmatch(r"sessions/(?P<sid>[^/]+)/finish", route)
             if m:
                 return JSONResponse(await call(svc.finish_session, caller, m["sid"]))

@@ -147,13 +147,12 @@ class PreferenceTask:
         use_base = (self.pc.reference == "base" or fresh) and hasattr(s.model, "disable_adapter")
         # the same passes as evaluation: a float result depends on the batch it was computed in, and
         # scoring exactly like evaluate() makes the step-0 evaluation exactly ln 2 / accuracy 0.5
-        budget = self.score_tokens
 
         def score(pairs):
             if use_base:
                 with s.model.disable_adapter():
-                    return score_pairs(self.scorer, s.model, pairs, budget, self.pad_id, s.device)
-            return score_pairs(self.scorer, s.model, pairs, budget, self.pad_id, s.device)
+                    return score_pairs(self.scorer, s.model, pairs, self.score_tokens, self.pad_id, s.device)
+            return score_pairs(self.scorer, s.model, pairs, self.score_tokens, self.pad_id, s.device)
         return score(self.rows), score(self.eval_rows)
 
     # ---- one step, evaluation ------------------------------------------------------------------
