@@ -205,3 +205,17 @@ def test_cpu_label_names_the_vector_unit_and_how_bf16_is_computed():
     assert label({"avx2": True, "avx512f": True}) == "Intel Xeon Processor (AVX-512)"  # the Xeon without bf16
     assert label({"avx2": True, "avx512f": True, "avx512_bf16": True}, "AMD EPYC") == "AMD EPYC (AVX-512, bf16)"
     assert label({}, "AMD EPYC") == "AMD EPYC"  # an old result without flags
+
+
+def test_compile_ab_check_reports_differences_and_stops_beyond_tolerance():
+    import torch
+    import ab_compile
+    grads = {"a": torch.tensor([1.0, -2.0], dtype=torch.float64)}
+    eager = (1.0, 100.0, grads)
+    close = (1.0, 100.0 + 1e-4, {"a": torch.tensor([1.0, -2.0 + 1e-3], dtype=torch.float64)})
+    loss, grad = ab_compile.check_same("pass 0", eager, close)
+    assert loss == pytest.approx(1e-6, rel=1e-3) and grad == pytest.approx(5e-4, rel=1e-3)  # 1e-3 of the largest, 2
+    with pytest.raises(SystemExit, match="gradients by 5.00e-03"):
+        ab_compile.check_same("pass 1", eager, (1.0, 100.0, {"a": torch.tensor([1.0, -1.99], dtype=torch.float64)}))
+    with pytest.raises(SystemExit, match="loss by 1.00e-04"):
+        ab_compile.check_same("pass 2", eager, (1.0, 100.01, grads))

@@ -1,0 +1,146 @@
+"""torch.compile on CPU for an SFT LoRA pass: eager vs inductor, interleaved in one process.
+
+Issue 18 asks to try torch.compile on CPU and keep it only if it wins an interleaved A/B. This is that
+A/B, kept so the answer can be measured again on the next CPU:
+
+  model     SmolLM2-135M-Instruct (the built-in, fp32), LoRA r=8 / alpha 16 on q/k/v/o, the lean MLP,
+            as `retrograd train` builds it for SFT (--smoke: a tiny random Llama)
+  pass      one SFT micro-batch: [2, 256] random tokens, loss on every token through retrograd's fused
+            head (Scorer.loss_sum), then backward; gradients are zeroed before each pass
+  sides     "eager": the model as retrograd runs it; "compile": the same modules (the same parameters)
+            with the decoder body wrapped in torch.compile(dynamic=False), inductor's default mode.
+            The head stays eager on both sides (it is retrograd's own chunked autograd function)
+  order     the compiled side's first call (the compile) is timed on its own; then eager, compile,
+            eager, compile, ... (--repeats each); the first pair is warm-up, the rest is summarised
+            (median, min-max)
+  check     both sides' losses (1e-5 relative) and the gradient of every LoRA tensor (2e-3 of its
+            largest entry) must agree in every pass, or the script stops: a faster side that computes
+            something else is no result
+
+Run from the repository root on an IDLE machine:
+
+    python benchmarks/ab_compile.py [--repeats 6] [--out benchmarks/results]
+    python benchmarks/ab_compile.py --smoke        # tiny random Llama, $TMPDIR/bench_out
+
+Writes OUT/ab_compile_<timestamp>.json with the machine, each pass's seconds and the compile time.
+Inductor caches what it compiled on disk ($TMPDIR/torchinductor_$USER), so a second process compiles
+faster; the JSON says whether the cache held anything for this model before the run ("cache_warm").
+"""
+from __future__ import annotations
+
+import argparse
+import getpass
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+BUILTIN = "smollm2-135m-instruct"
+ROWS, SEQ, SEED = 2, 256, 0
+# Relative tolerances. The same fp32 math, but inductor's fused kernels (RMSNorm, SiLU-gate, the
+# residual adds) sum in another order: the loss agreed to 1e-7, the LoRA gradients to ~5e-4 of each
+# tensor's largest entry on SmolLM2. Any change in the work (data, masking, a skipped term) moves
+# both by far more.
+LOSS_TOL, GRAD_TOL = 1e-5, 2e-3
+
+
+def build(smoke: bool):
+    import torch
+    from retrograd.models.lean_mlp import lean_mlp
+    from retrograd.models.load import load_model
+    from retrograd.models.lora import attach_lora
+    if smoke:
+        from retrograd.models.builtin import builtin_gguf
+        folder = Path(tempfile.mkdtemp()) / "tiny"
+        common.tiny_llama(folder, common.tokenizer_folder(builtin_gguf(BUILTIN)), SEED)
+        path = str(folder)
+    else:
+        path = BUILTIN
+    model = load_model(path, log=lambda *a: None).model
+    lean_mlp(model)
+    model, _ = attach_lora(model, 8, 16, ["q_proj", "k_proj", "v_proj", "o_proj"], 0.0, SEED)
+    model.train()
+    torch.manual_seed(SEED)
+    ids = torch.randint(0, model.config.vocab_size, (ROWS, SEQ))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    return model, batch
+
+
+def one_pass(model, scorer, batch) -> tuple[float, float, dict]:
+    import torch
+    model.zero_grad(set_to_none=True)
+    t = time.perf_counter()
+    loss = scorer.loss_sum(batch)
+    loss.backward()
+    seconds = time.perf_counter() - t
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+    if not grads:
+        raise SystemExit("no gradients reached the adapter: nothing was trained")
+    return seconds, loss.item(), {n: g.to(torch.float64) for n, g in grads.items()}
+
+
+def check_same(where: str, a: tuple, b: tuple) -> tuple[float, float]:
+    """(loss, gradient) relative differences between two passes; stops above the tolerances."""
+    loss = abs(a[1] - b[1]) / max(1.0, abs(a[1]))
+    grad = max(float((ga - b[2][name]).abs().max() / max(1e-12, float(ga.abs().max())))
+               for name, ga in a[2].items())
+    if loss > LOSS_TOL or grad > GRAD_TOL:
+        raise SystemExit(f"{where}: eager and compiled passes differ: loss by {loss:.2e} (tolerance {LOSS_TOL}), "
+                         f"gradients by {grad:.2e} of their largest entry (tolerance {GRAD_TOL})")
+    return loss, grad
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=6, help="passes of each side after the compile (default 6)")
+    p.add_argument("--out", help="results folder (default benchmarks/results; $TMPDIR/bench_out with --smoke)")
+    p.add_argument("--smoke", action="store_true", help="a tiny random Llama: checks the plumbing")
+    args = p.parse_args()
+    import torch
+    from retrograd.models.logprobs import Scorer
+    torch.set_num_threads(common.THREADS)
+    common.warn_if_busy()
+    peak = common.matmul_peak()
+    cache = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
+    cache_warm = cache.is_dir() and any(cache.rglob("*.so"))
+    load_before = common.load_average()
+    model, batch = build(args.smoke)
+    eager, compiled = Scorer(model), Scorer(model)
+    compiled.decoder = torch.compile(compiled.decoder, dynamic=False)
+    t = time.perf_counter()
+    first = one_pass(model, compiled, batch)
+    compile_s = time.perf_counter() - t
+    print(f"first compiled call (compile + pass): {compile_s:.1f} s", flush=True)
+    times = {"eager": [], "compile": []}
+    worst = [0.0, 0.0]  # loss, gradients
+    for i in range(args.repeats):
+        e = one_pass(model, eager, batch)
+        c = one_pass(model, compiled, batch)
+        for diff in (check_same(f"pass {i}", e, c), check_same(f"pass {i} vs the first compiled", e, first)):
+            worst = [max(w, d) for w, d in zip(worst, diff)]
+        times["eager"].append(e[0])
+        times["compile"].append(c[0])
+        print(f"pass {i}: eager {e[0]:.3f} s, compile {c[0]:.3f} s, loss {e[1]:.6f}", flush=True)
+    summary = {side: common.stats(v[1:]) for side, v in times.items()}
+    gain = summary["eager"]["median"] / summary["compile"]["median"]
+    for side, s in summary.items():
+        print(f"{side}: median {s['median']:.3f} s (min {s['min']:.3f}, max {s['max']:.3f}) over passes 2+")
+    print(f"eager / compile: {gain:.3f}; compile paid back after {compile_s / max(1e-9, summary['eager']['median'] - summary['compile']['median']):.0f} passes"
+          if gain > 1 else f"eager / compile: {gain:.3f} (compile is not faster)")
+    print(f"check passed: losses within {worst[0]:.1e} relative, LoRA gradients within {worst[1]:.1e} of their largest entry")
+    path = common.write_result("ab_compile", {
+        "machine": common.machine(peak), "setup": {"rows": ROWS, "seq": SEQ, "smoke": args.smoke,
+                                                    "torch_compile": "dynamic=False, default mode, decoder body"},
+        "compile_seconds": compile_s, "cache_warm": cache_warm, "seconds": times, "summary": summary,
+        "eager_over_compile": gain, "largest_difference": {"loss": worst[0], "gradients": worst[1]},
+        "load_average": {"before": load_before}, "env_omp": os.environ.get("OMP_NUM_THREADS")},
+        Path(args.out) if args.out else None, smoke=args.smoke)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
