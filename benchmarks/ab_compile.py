@@ -24,7 +24,8 @@ Run from the repository root on an IDLE machine:
 
 Writes OUT/ab_compile_<timestamp>.json with the machine, each pass's seconds and the compile time.
 Inductor caches what it compiled on disk ($TMPDIR/torchinductor_$USER), so a second process compiles
-faster; the JSON says whether the cache held anything for this model before the run ("cache_warm").
+faster; the JSON says whether that cache held any compiled kernel before the run ("cache_warm": of any
+model, so True means "possibly warm for this one").
 """
 from __future__ import annotations
 
@@ -77,10 +78,12 @@ def one_pass(model, scorer, batch) -> tuple[float, float, dict]:
     loss = scorer.loss_sum(batch)
     loss.backward()
     seconds = time.perf_counter() - t
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+    # one float64 copy each (it outlives the next pass's zero_grad), kept for check_same
+    grads = {n: p.grad.detach().to(torch.float64) for n, p in model.named_parameters()
+             if p.requires_grad and p.grad is not None}
     if not grads:
         raise SystemExit("no gradients reached the adapter: nothing was trained")
-    return seconds, loss.item(), {n: g.to(torch.float64) for n, g in grads.items()}
+    return seconds, loss.item(), grads
 
 
 def check_same(where: str, a: tuple, b: tuple) -> tuple[float, float]:

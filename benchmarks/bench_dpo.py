@@ -80,6 +80,7 @@ def write_data(path: Path, n: int) -> None:
 
 
 def worker_retrograd(s: dict, work: Path) -> dict:
+    common.start_like_the_cli()
     from retrograd.config import load_config
     from retrograd.train.preference import train_preference
     (work / "run.toml").write_text(f"""

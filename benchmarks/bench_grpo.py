@@ -83,6 +83,7 @@ def matmul_params(model) -> int:
 
 
 def worker_retrograd(args) -> dict:
+    common.start_like_the_cli()
     from retrograd.config import load_config
     from retrograd.train.grpo import train_grpo
     work = Path(args.work)

@@ -186,6 +186,7 @@ log_every = 1
 
 
 def worker_retrograd(s: dict, work: Path) -> dict:
+    common.start_like_the_cli()
     import torch
     from retrograd.config import load_config
     from retrograd.train.sft import train_sft
@@ -288,6 +289,7 @@ def worker_trl(s: dict, work: Path) -> dict:
 def worker_retrograd_plain_mlp(s: dict, work: Path) -> dict:
     """retrograd with transformers' own MLP forward (models/lean_mlp.py switched off): the A/B of
     --ab-lean-mlp, same losses bit for bit, so the difference is the lean product's time and memory."""
+    common.start_like_the_cli()
     import retrograd.train.setup as setup
     setup.lean_mlp = lambda model: 0
     return worker_retrograd(s, work)

@@ -129,6 +129,15 @@ def machine(peak: dict | None = None) -> dict:
                                               f"(m x k x n), bf16: 2048^3 (512^3 without native bf16); {THREADS} threads, best of 5"}
 
 
+def start_like_the_cli() -> None:
+    """What `retrograd`'s entry point does first (retrograd/malloc.py: glibc keeps freed memory for
+    the next pass). A worker that calls the library instead of the CLI calls this before anything else,
+    so it runs as a user's `retrograd train` does. TRL's workers keep glibc's defaults, as a user's
+    `python train.py` would."""
+    from retrograd.malloc import keep_freed_memory
+    keep_freed_memory()
+
+
 def warn_if_busy(what: str = "") -> None:
     load = os.getloadavg()[0]
     if load > 2:

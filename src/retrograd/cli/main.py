@@ -326,6 +326,8 @@ def _config_schema(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from retrograd import malloc
+    malloc.keep_freed_memory()  # first, before torch and the model allocate: see malloc.py
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
