@@ -55,10 +55,10 @@ def test_later_passes_reuse_freed_memory_instead_of_faulting_in_fresh_pages():
 
 
 def test_the_cli_applies_it_before_torch_is_imported():
-    probe = ("import sys; import retrograd.malloc as m; calls = []\n"
-             "m.keep_freed_memory = lambda: calls.append('torch' in sys.modules) or True\n"
-             "from retrograd.cli.main import main\n"
-             "try:\n    main(['--version'])\nexcept SystemExit:\n    pass\n"
-             "print(calls)")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    script = ("import sys; import retrograd.malloc as m; calls = []\n"
+              "m.keep_freed_memory = lambda: calls.append('torch' in sys.modules) or True\n"
+              "from retrograd.cli.main import main\n"
+              "try:\n    main(['--version'])\nexcept SystemExit:\n    pass\n"
+              "print(calls)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[False]", out
