@@ -6,7 +6,8 @@ import torch
 
 from retrograd.models.load import load_model
 from retrograd.models.lora import attach_lora
-from retrograd.models.logprobs import MIN_SHARED_PREFIX_SAVING, Scorer, shared_prefix_length
+from retrograd.models.logprobs import (MIN_SHARED_PREFIX_SAVING, PACK_ROW_TOKENS, Scorer, pack_completions,
+                                       prompts_lead_rows, shared_prefix_length)
 from retrograd.train.policy_update import collate
 
 SYSTEM = list(range(3, 23))  # 20 tokens every prompt starts with, like a chat template's system prompt
@@ -42,8 +43,10 @@ def test_shared_prompt_forward_equals_one_row_per_completion(tiny_model, common)
         prompts = [SYSTEM + p for p in prompts]
         assert shared_prefix_length(prompts) >= len(SYSTEM)
     completions = [[10, 20, 30, 40], [50, 60], [70, 80, 90], [5]]
-    owner = [0, 1, 0, 1]  # two groups, prompts of different lengths (left-padded together)
+    owner = [0, 1, 0, 1]  # two groups, prompts of different lengths
     coef = torch.randn(4, 4)
+    rows, _ = pack_completions(owner, [len(c) for c in completions], PACK_ROW_TOKENS)
+    assert prompts_lead_rows(rows)  # one row per prompt: each prompt leads its row in one pass
 
     plain = scorer.token_logprobs(collate([(prompts[o], c) for o, c in zip(owner, completions)], pad), 4)
     (plain * coef).sum().backward()
@@ -114,6 +117,25 @@ def test_packed_attention_mask_by_hand():
     assert float(mask.min()) == torch.finfo(torch.float32).min
 
 
+def test_prompt_led_attention_mask_by_hand():
+    from retrograd.models.logprobs import PADDING, PROMPT, prompt_led_attention_mask
+    segment = torch.tensor([[PROMPT, PROMPT, 0, 0, 1, PADDING]])  # a 2-token prompt, completions 0 and 1, padding
+    mask = prompt_led_attention_mask(1, segment, torch.float32)  # after a 1-token common prefix
+    assert mask.shape == (1, 1, 6, 7)
+    seen = mask[0, 0] == 0
+    want = torch.tensor([[1, 1, 0, 0, 0, 0, 0],   # prompt token 0: the prefix and itself
+                         [1, 1, 1, 0, 0, 0, 0],   # prompt token 1: also prompt token 0
+                         [1, 1, 1, 1, 0, 0, 0],   # completion 0, token 0: the prefix, the prompt, itself
+                         [1, 1, 1, 1, 1, 0, 0],   # completion 0, token 1: also its token 0
+                         [1, 1, 1, 0, 0, 1, 0],   # completion 1: the prompt and itself, not completion 0
+                         [1, 1, 1, 0, 0, 0, 0]],  # padding: the prefix and the prompt (never a row of nothing)
+                        dtype=torch.bool)
+    assert torch.equal(seen, want)
+    assert float(mask.min()) == torch.finfo(torch.float32).min
+    assert prompts_lead_rows([(0, [(0, 0)]), (1, [(1, 0), (2, 3)])])
+    assert not prompts_lead_rows([(0, [(0, 0)]), (0, [(1, 0)])])  # prompt 0 spans two rows
+
+
 def test_completions_split_over_several_rows_per_prompt(tiny_model, monkeypatch):
     """A prompt whose completions overflow one packed row gets several rows (each gathering its prompt's
     cache): still the values and gradients of one row per completion."""
@@ -126,6 +148,7 @@ def test_completions_split_over_several_rows_per_prompt(tiny_model, monkeypatch)
     owner = [0, 0, 0, 1, 1, 1]
     rows, _ = logprobs.pack_completions(owner, [len(c) for c in completions], 5)
     assert sum(o == 0 for o, _ in rows) >= 2  # the split this test is about
+    assert not logprobs.prompts_lead_rows(rows)  # so the prompts run in a pass of their own
     coef = torch.randn(6, 4)
     plain = scorer.token_logprobs(collate([(prompts[o], c) for o, c in zip(owner, completions)], pad), 4)
     (plain * coef).sum().backward()
