@@ -6,20 +6,26 @@ import torch
 
 from retrograd.models.load import load_model
 from retrograd.models.lora import attach_lora
-from retrograd.models.logprobs import (MIN_SHARED_PREFIX_SAVING, PACK_ROW_TOKENS, Scorer, pack_completions,
-                                       prompts_lead_rows, shared_prefix_length)
+from retrograd.models.logprobs import (MIN_SCORED_PREFIX_SAVING, MIN_SHARED_PREFIX_SAVING, PACK_ROW_TOKENS, Scorer,
+                                       pack_completions, prompts_lead_rows, shared_prefix_length)
 from retrograd.train.policy_update import collate
 
-SYSTEM = list(range(3, 23))  # 20 tokens every prompt starts with, like a chat template's system prompt
+# 60 tokens every prompt starts with, like a chat template's system prompt: enough that two prompts share it
+# in a scoring pass (MIN_SCORED_PREFIX_SAVING)
+SYSTEM = list(range(3, 63))
 
 
 def test_shared_prefix_length():
-    assert shared_prefix_length([SYSTEM + [30, 31], SYSTEM + [40]]) == 20
-    assert shared_prefix_length([SYSTEM, SYSTEM + [40]]) == 19  # each prompt keeps a token of its own
+    assert shared_prefix_length([SYSTEM + [30, 31], SYSTEM + [40]]) == 60
+    assert shared_prefix_length([SYSTEM, SYSTEM + [40]]) == 59  # each prompt keeps a token of its own
     assert shared_prefix_length([SYSTEM + [30]]) == 0  # one prompt: nothing to share
     short = SYSTEM[:MIN_SHARED_PREFIX_SAVING - 1]
     assert shared_prefix_length([short + [30], short + [40]]) == 0  # too little saved for an extra pass
     assert shared_prefix_length([short + [30], short + [40], short + [50]]) == len(short)
+    # a scoring pass (forward and backward) shares a prefix only where it saves more
+    forty = SYSTEM[:40]
+    assert shared_prefix_length([forty + [30], forty + [40]], MIN_SCORED_PREFIX_SAVING) == 0
+    assert shared_prefix_length([forty + [30], forty + [40], forty + [50]], MIN_SCORED_PREFIX_SAVING) == 40
 
 
 def trained_lora(tiny_model, seed: int):
@@ -41,7 +47,7 @@ def test_shared_prompt_forward_equals_one_row_per_completion(tiny_model, common)
     prompts = [loaded.tokenizer("hello there friend")["input_ids"], loaded.tokenizer("hi")["input_ids"]]
     if common:
         prompts = [SYSTEM + p for p in prompts]
-        assert shared_prefix_length(prompts) >= len(SYSTEM)
+        assert shared_prefix_length(prompts, MIN_SCORED_PREFIX_SAVING) >= len(SYSTEM)  # the prefix pass runs
     completions = [[10, 20, 30, 40], [50, 60], [70, 80, 90], [5]]
     owner = [0, 1, 0, 1]  # two groups, prompts of different lengths
     coef = torch.randn(4, 4)

@@ -30,9 +30,13 @@ from retrograd.models.fused_head import (IGNORE, cross_entropy_sum_reference, li
 CE_CHUNK_ROWS = 256
 # configs that transform logits after the head; those models take the plain full-logits path
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale", "logits_scaling")
-# a separate pass over the prompts' common prefix costs one more forward's fixed overhead (training:
-# ~20 ms with backward on SmolLM2); it pays once it saves this many prompt tokens
+# a separate pass over the prompts' common prefix costs one more forward's fixed overhead; it pays once it
+# saves this many prompt tokens (prompt tokens after the first prompt's). The sampler's prefill runs forward
+# only; a scoring pass also runs backward through the prefix pass, at a few dozen rows per matmul, which on
+# SmolLM2 + LoRA on a 2-core CPU was 3 % slower at 26 and 40 saved tokens, 6 % at 48, and 2.5-5 % faster at
+# 56 and 81 (interleaved A/B of a DPO pair step and a GRPO update's scoring)
 MIN_SHARED_PREFIX_SAVING = 16
+MIN_SCORED_PREFIX_SAVING = 56
 # a packed completions row holds up to this many tokens (or the longest completion, if longer): enough
 # for a group of short RL completions in one row, short enough that attending across the row's other
 # completions (masked, but computed) stays a small part of its cost
@@ -176,7 +180,8 @@ class Scorer:
         up to max(longest, PACK_ROW_TOKENS) tokens, each attending to its prompt and causally to itself
         only (a 4D mask), at its own positions. Right-padding every completion to the longest instead
         cost ~22 % of a GRPO update's layer FLOPs (379 real of 512 tokens). The prompts' common prefix
-        runs first, once, as the cache every row starts from. When each prompt's completions fill one
+        runs first, once, as the cache every row starts from, where that saves MIN_SCORED_PREFIX_SAVING
+        tokens. When each prompt's completions fill one
         row (a DPO pair, a group of short RL completions), the prompt leads its row in the same pass
         (`_prompt_led_rows`); otherwise the prompts run in a pass of their own whose cache each of
         their rows gathers (`_cached_prompt_rows`), so no prompt is computed twice."""
@@ -184,7 +189,7 @@ class Scorer:
         lengths = [len(c) for c in completions]
         n, n_max = len(completions), max(lengths)
         rows, _ = pack_completions(owner, lengths, max(n_max, PACK_ROW_TOKENS))
-        common = shared_prefix_length(prompts)
+        common = shared_prefix_length(prompts, MIN_SCORED_PREFIX_SAVING)
         cache = None
         if common:
             cache = self.decoder(input_ids=torch.tensor(prompts[0][:common], device=device)[None],
@@ -235,7 +240,7 @@ class Scorer:
         the packed completion rows, each gathering its prompt's keys and values. Keys and values keep
         their graph when gathered, so gradients reach every prompt position. -> as `_prompt_led_rows`."""
         device = self.head.weight.device
-        _, ids_p, attention_p, positions_p = split_prompts(prompts, pad_id, device)
+        _, ids_p, attention_p, positions_p = split_prompts(prompts, pad_id, device, common)
         if cache is not None:
             cache.reorder_cache(torch.zeros(len(prompts), dtype=torch.long, device=device))  # one row per prompt
             attention_p = torch.cat([torch.ones_like(attention_p[:, :1]).expand(-1, common), attention_p], 1)
@@ -336,24 +341,25 @@ class Scorer:
         return values, top
 
 
-def shared_prefix_length(prompts: list[list[int]]) -> int:
+def shared_prefix_length(prompts: list[list[int]], min_saving: int = MIN_SHARED_PREFIX_SAVING) -> int:
     """Tokens at the start of every prompt worth running once for all of them: the longest common
     prefix, leaving each prompt at least one token of its own (whose hidden state predicts the first
-    completion token); 0 when one prompt or when sharing saves fewer than MIN_SHARED_PREFIX_SAVING."""
+    completion token); 0 when one prompt or when sharing saves fewer than `min_saving` tokens."""
     if len(prompts) < 2:
         return 0
     first, n = prompts[0], min(len(p) for p in prompts) - 1
     common = 0
     while common < n and all(p[common] == first[common] for p in prompts):
         common += 1
-    return common if common * (len(prompts) - 1) >= MIN_SHARED_PREFIX_SAVING else 0
+    return common if common * (len(prompts) - 1) >= min_saving else 0
 
 
-def split_prompts(prompts: list[list[int]], pad_id: int, device=None):
+def split_prompts(prompts: list[list[int]], pad_id: int, device=None, common: int | None = None):
     """Prompts as (prefix [c] or None, ids [P, W], attention [P, W], positions [P, W]): their shared
-    prefix (shared_prefix_length) apart, and what follows it left-padded so every prompt ends in the
-    last column, at positions counted after the prefix."""
-    common = shared_prefix_length(prompts)
+    prefix apart (`common` tokens, by default shared_prefix_length's), and what follows it left-padded
+    so every prompt ends in the last column, at positions counted after the prefix."""
+    if common is None:
+        common = shared_prefix_length(prompts)
     rest = [p[common:] for p in prompts]
     width = max(len(p) for p in rest)
     ids = torch.full((len(rest), width), pad_id, dtype=torch.long)
@@ -401,18 +407,22 @@ def prompt_led_attention_mask(prefix: int, segment: torch.Tensor, dtype: torch.d
     query, key = segment[:, :, None], segment[:, None, :]
     own = (key == PROMPT) | ((query == key) & (query >= 0))
     allowed = torch.cat([torch.ones(rows, w, prefix, dtype=torch.bool, device=segment.device), own & causal], dim=2)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=segment.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+    return _additive(allowed, dtype)
 
 
 def packed_attention_mask(prompt_keys: torch.Tensor, segment: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The additive 4D mask [R, 1, W, K + W] of a packed completions pass: each token sees its row's
     prompt keys where `prompt_keys` [R, K] is true, and the tokens of its own completion up to itself
-    (`segment` [R, W]: the completion of each column, -1 for padding, which sees the prompt only).
-    Additive (0 / dtype's min) rather than boolean, which both the SDPA and the eager attention take."""
+    (`segment` [R, W]: the completion of each column, -1 for padding, which sees the prompt only)."""
     w = segment.shape[1]
     causal = torch.ones(w, w, dtype=torch.bool, device=segment.device).tril()
     own = (segment[:, :, None] == segment[:, None, :]) & (segment[:, :, None] >= 0) & causal  # [R, W, W]
     allowed = torch.cat([prompt_keys[:, None, :].expand(-1, w, -1), own], dim=2)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=segment.device)
+    return _additive(allowed, dtype)
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean [R, Q, K] 'may attend' as the additive [R, 1, Q, K] mask (0 / dtype's min) the model's
+    attention adds to its scores; SDPA and the eager attention both take it, where only SDPA takes booleans."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
