@@ -219,3 +219,24 @@ def test_compile_ab_check_reports_differences_and_stops_beyond_tolerance():
         ab_compile.check_same("pass 1", eager, (1.0, 100.0, {"a": torch.tensor([1.0, -1.99], dtype=torch.float64)}))
     with pytest.raises(SystemExit, match="loss by 1.00e-04"):
         ab_compile.check_same("pass 2", eager, (1.0, 100.01, grads))
+
+
+def test_scoring_layout_ab_shapes_and_check():
+    import torch
+    import ab_scoring_layout as ab
+    from retrograd.models.logprobs import shared_prefix_length
+    prompts, completions, owner = ab.batch("dpo", 40, 1000)
+    assert len(prompts) == 2 and owner == [0, 0, 1, 1] and [len(c) for c in completions] == [74, 71, 73, 70]
+    assert shared_prefix_length(prompts, 1) == 40  # the common prefix is exactly the system prompt
+    prompts, completions, owner = ab.batch("grpo", 10, 1000)
+    assert len(prompts) == 4 and len(completions) == 16 and owner == [i // 4 for i in range(16)]
+    assert shared_prefix_length(prompts, 1) == 10
+    grads = {"a": torch.tensor([1.0, -2.0], dtype=torch.float64)}
+    a = (1.0, torch.tensor([-100.0, -0.5], dtype=torch.float64), grads)
+    close = (1.0, torch.tensor([-100.001, -0.50001], dtype=torch.float64), grads)
+    sums, grad = ab.check_same("pair 0", a, close)
+    assert sums == pytest.approx(1e-5, rel=1e-3) and grad == 0.0  # relative to |sum|, at least 1
+    with pytest.raises(SystemExit, match="sums by 1.00e-03"):
+        ab.check_same("pair 1", a, (1.0, torch.tensor([-100.0, -0.501], dtype=torch.float64), grads))
+    with pytest.raises(SystemExit, match="gradients by 5.00e-03"):
+        ab.check_same("pair 2", a, (1.0, a[1], {"a": torch.tensor([1.0, -1.99], dtype=torch.float64)}))

@@ -31,10 +31,11 @@ CE_CHUNK_ROWS = 256
 # configs that transform logits after the head; those models take the plain full-logits path
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale", "logits_scaling")
 # a separate pass over the prompts' common prefix costs one more forward's fixed overhead; it pays once it
-# saves this many prompt tokens (prompt tokens after the first prompt's). The sampler's prefill runs forward
-# only; a scoring pass also runs backward through the prefix pass, at a few dozen rows per matmul, which on
-# SmolLM2 + LoRA on a 2-core CPU was 3 % slower at 26 and 40 saved tokens, 6 % at 48, and 2.5-5 % faster at
-# 56 and 81 (interleaved A/B of a DPO pair step and a GRPO update's scoring)
+# saves this many prompt tokens (those after the first prompt's). The sampler's prefill runs forward only. A
+# scoring pass also runs backward through it, at a few dozen rows per matmul: on SmolLM2 + LoRA on a 2-core
+# CPU (interleaved A/Bs of a DPO step's and a GRPO update's scoring, benchmarks/ab_scoring_layout.py) it
+# was slower in 6 of 9 comparisons at 26-48 saved tokens (by up to 10 %), and faster in 3 of 6 at 56-81
+# (by up to 12 %): small effects in a noisy machine, so a scoring pass shares the prefix from 56
 MIN_SHARED_PREFIX_SAVING = 16
 MIN_SCORED_PREFIX_SAVING = 56
 # a packed completions row holds up to this many tokens (or the longest completion, if longer): enough

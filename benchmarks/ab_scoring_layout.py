@@ -1,0 +1,176 @@
+"""The scoring pass's two layout choices, each side against the other, interleaved in one process.
+
+`Scorer._shared_prompt_hidden` (src/retrograd/models/logprobs.py) decides two things for a batch of
+prompts and their completions (a DPO step's pairs, a GRPO update's groups):
+
+  rows     "prompt-led": each prompt leads the packed row of its completions, one pass, when they fit
+           one row (`prompts_lead_rows`); against "cached": the prompts in a pass of their own whose
+           KV cache the completion rows gather (what every batch did before, and what a prompt whose
+           completions span several rows still does)
+  prefix   the prompts' common prefix (a chat template's system prompt) in a pass of its own, once,
+           against in every row, as a function of the prompt tokens it saves; the scorer runs it
+           apart from MIN_SCORED_PREFIX_SAVING saved tokens
+
+This script measures both on the shapes the benchmarks train, so the thresholds can be measured again
+on the next CPU:
+
+  model    SmolLM2-135M-Instruct (fp32), LoRA r=8 / alpha 16 on q/k/v/o, the lean MLP, train mode, as
+           `retrograd train` builds it (--smoke: a tiny random Llama)
+  pass     Scorer.shared_prompt_sums (forward through the fused head) and backward of their sum;
+           random tokens with the lengths of bench_dpo.py's step (2 pairs: prompts ~25 tokens after the
+           prefix, sides ~72) and bench_grpo.py's update (4 prompts x 4 completions of 18-32 tokens)
+  order    A B A B ... with the order flipped every pair, after a warm-up pair; median, min-max
+  check    both sides' sums (1e-4 relative) and every LoRA gradient (1e-3 of its largest entry) agree
+           in every pair, or the script stops: the layouts must compute the same thing
+
+Run from the repository root on an IDLE machine:
+
+    python benchmarks/ab_scoring_layout.py [--repeats 5] [--out benchmarks/results]
+    python benchmarks/ab_scoring_layout.py --smoke       # tiny random Llama, $TMPDIR/bench_out
+
+Writes OUT/ab_scoring_layout_<timestamp>.json with the machine and each pass's seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+BUILTIN = "smollm2-135m-instruct"
+SEED = 0
+SUM_TOL, GRAD_TOL = 1e-4, 1e-3  # float32 sums in another order; a changed piece of work moves them far more
+# (shape, common prefix tokens): the prefix pass saves prefix x (prompts - 1) prompt tokens
+PREFIX_CASES = [("dpo", 26), ("dpo", 40), ("dpo", 56), ("dpo", 80), ("grpo", 10), ("grpo", 16), ("grpo", 27)]
+
+
+def build(smoke: bool):
+    from retrograd.models.lean_mlp import lean_mlp
+    from retrograd.models.load import load_model
+    from retrograd.models.lora import attach_lora
+    if smoke:
+        from retrograd.models.builtin import builtin_gguf
+        folder = Path(tempfile.mkdtemp()) / "tiny"
+        common.tiny_llama(folder, common.tokenizer_folder(builtin_gguf(BUILTIN)), SEED)
+        path = str(folder)
+    else:
+        path = BUILTIN
+    model = load_model(path, log=lambda *a: None).model
+    lean_mlp(model)
+    model, _ = attach_lora(model, 8, 16, ["q_proj", "k_proj", "v_proj", "o_proj"], 0.0, SEED)
+    model.train()
+    return model
+
+
+def batch(kind: str, prefix: int, vocab: int, seed: int = SEED) -> tuple[list, list, list]:
+    """(prompts, completions, owner) of a DPO step (2 pairs) or a GRPO update (4 groups of 4)."""
+    rng = random.Random(seed)
+    tokens = lambda n: [rng.randrange(100, vocab) for _ in range(n)]  # noqa: E731
+    system = tokens(prefix)
+    if kind == "dpo":
+        prompts = [system + tokens(25), system + tokens(24)]
+        return prompts, [tokens(74), tokens(71), tokens(73), tokens(70)], [0, 0, 1, 1]
+    prompts = [system + tokens(rng.randrange(15, 25)) for _ in range(4)]
+    return prompts, [tokens(rng.randrange(18, 33)) for _ in range(16)], [i // 4 for i in range(16)]
+
+
+def one_pass(model, scorer, data) -> tuple[float, "torch.Tensor", dict]:
+    import torch
+    prompts, completions, owner = data
+    model.zero_grad(set_to_none=True)
+    t = time.perf_counter()
+    sums = scorer.shared_prompt_sums(prompts, completions, owner, [[True] * len(c) for c in completions], 0)
+    sums.sum().backward()
+    seconds = time.perf_counter() - t
+    grads = {n: p.grad.detach().to(torch.float64) for n, p in model.named_parameters()
+             if p.requires_grad and p.grad is not None}
+    if not grads:
+        raise SystemExit("no gradients reached the adapter: nothing was trained")
+    return seconds, sums.detach().double(), grads
+
+
+def check_same(where: str, a: tuple, b: tuple) -> tuple[float, float]:
+    sums = float(((a[1] - b[1]).abs() / b[1].abs().clamp(min=1.0)).max())
+    grad = max(float((g - b[2][n]).abs().max() / max(1e-12, float(g.abs().max()))) for n, g in a[2].items())
+    if sums > SUM_TOL or grad > GRAD_TOL:
+        raise SystemExit(f"{where}: the two layouts differ: sums by {sums:.2e} (tolerance {SUM_TOL}), "
+                         f"gradients by {grad:.2e} of their largest entry (tolerance {GRAD_TOL})")
+    return sums, grad
+
+
+def ab(model, scorer, data, sides: dict, repeats: int, label: str) -> dict:
+    """sides: name -> a function that sets the layout up. -> per side the seconds of each pass."""
+    times = {name: [] for name in sides}
+    worst = [0.0, 0.0]
+    names = list(sides)
+    for i in range(repeats + 1):  # pass 0 of each side is warm-up
+        order = names if i % 2 == 0 else names[::-1]
+        done = {}
+        for name in order:
+            sides[name]()
+            done[name] = one_pass(model, scorer, data)
+            times[name].append(done[name][0])
+        worst = [max(w, d) for w, d in zip(worst, check_same(f"{label}, pair {i}", *done.values()))]
+    summary = {name: common.stats(v[1:]) for name, v in times.items()}
+    a, b = names
+    ratio = summary[b]["median"] / summary[a]["median"]
+    faster = sum(x < y for x, y in zip(times[a][1:], times[b][1:]))
+    print(f"{label}: {a} {summary[a]['median']:.3f} s, {b} {summary[b]['median']:.3f} s; {b} / {a} {ratio:.3f}; "
+          f"{a} faster in {faster} of {repeats} pairs", flush=True)
+    return {"seconds": times, "summary": summary, f"{b}_over_{a}": ratio, f"{a}_faster_pairs": faster,
+            "largest_difference": {"sums": worst[0], "gradients": worst[1]}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=5, help="timed pairs per comparison (default 5)")
+    p.add_argument("--out", help="results folder (default benchmarks/results; $TMPDIR/bench_out with --smoke)")
+    p.add_argument("--smoke", action="store_true", help="a tiny random Llama: checks the plumbing")
+    args = p.parse_args()
+    common.start_like_the_cli()
+    import torch
+    import retrograd.models.logprobs as logprobs
+    torch.set_num_threads(common.THREADS)
+    common.warn_if_busy()
+    peak = common.matmul_peak()
+    load_before = common.load_average()
+    model = build(args.smoke)
+    scorer, vocab = logprobs.Scorer(model), min(40_000, model.config.vocab_size)
+    lead_rows, min_saving = logprobs.prompts_lead_rows, logprobs.MIN_SCORED_PREFIX_SAVING
+
+    def setup(lead: bool, prefix_pass: bool | None = None):
+        def apply():
+            logprobs.prompts_lead_rows = lead_rows if lead else (lambda rows: False)
+            logprobs.MIN_SCORED_PREFIX_SAVING = min_saving if prefix_pass is None else (1 if prefix_pass else 10**9)
+        return apply
+
+    results = {"rows": {}, "prefix": {}}
+    try:
+        for kind in ("dpo", "grpo"):
+            data = batch(kind, 27, vocab)
+            results["rows"][kind] = ab(model, scorer, data, {"prompt_led": setup(True), "cached": setup(False)},
+                                       args.repeats, f"rows, {kind} shape")
+        for kind, prefix in PREFIX_CASES:
+            data = batch(kind, prefix, vocab)
+            saved = prefix * (len(data[0]) - 1)
+            r = ab(model, scorer, data, {"prefix_pass": setup(True, True), "in_rows": setup(True, False)},
+                   args.repeats, f"prefix, {kind} shape, {prefix}-token prefix ({saved} tokens saved)")
+            results["prefix"][f"{kind}_{prefix}"] = {"shape": kind, "prefix_tokens": prefix, "saved_tokens": saved,
+                                                     "scorer_runs_it_apart": saved >= min_saving, **r}
+    finally:
+        logprobs.prompts_lead_rows, logprobs.MIN_SCORED_PREFIX_SAVING = lead_rows, min_saving
+    path = common.write_result("ab_scoring_layout", {
+        "machine": common.machine(peak), "setup": {"smoke": args.smoke, "repeats": args.repeats,
+                                                    "min_scored_prefix_saving": min_saving},
+        "results": results, "load_average": {"before": load_before, "after": common.load_average()}},
+        Path(args.out) if args.out else None, smoke=args.smoke)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
