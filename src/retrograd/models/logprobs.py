@@ -15,8 +15,9 @@ model's own logits. One scorer, these readings:
   target_and_top1(batch)     log p(label) and whether it is the first choice, per labelled position (distill)
   compare(other, batch)      KL to another model and top-1 agreement at every labelled position (distill)
 
-`split_prompts` lays out prompts for a shared-prefix forward; the sampler's prefill and the RL
-training forward both use it, so the positions they give the model are the same.
+`split_prompts` lays out prompts for a shared-prefix forward: the sampler's prefill, and the scoring
+pass's separate prompts pass. Positions count from each prompt's first token whether or not its
+prefix runs apart, so sampling and scoring give the model the same positions.
 """
 from __future__ import annotations
 
