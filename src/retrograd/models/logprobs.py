@@ -183,9 +183,8 @@ class Scorer:
         only (a 4D mask), at its own positions. Right-padding every completion to the longest instead
         cost ~22 % of a GRPO update's layer FLOPs (379 real of 512 tokens). The prompts' common prefix
         runs first, once, as the cache every row starts from, where that saves MIN_SCORED_PREFIX_SAVING
-        tokens. When each prompt's completions fill one
-        row (a DPO pair, a group of short RL completions), the prompt leads its row in the same pass
-        (`_prompt_led_rows`); otherwise the prompts run in a pass of their own whose cache each of
+        tokens. When each prompt's completions fill one row (a DPO pair, a group of short RL
+        completions), the prompt leads its row in the same pass (`_prompt_led_rows`); otherwise the prompts run in a pass of their own whose cache each of
         their rows gathers (`_cached_prompt_rows`), so no prompt is computed twice."""
         device = self.head.weight.device
         lengths = [len(c) for c in completions]
