@@ -4,7 +4,8 @@ Issue 18 asks to try torch.compile on CPU and keep it only if it wins an interle
 A/B, kept so the answer can be measured again on the next CPU:
 
   model     SmolLM2-135M-Instruct (the built-in, fp32), LoRA r=8 / alpha 16 on q/k/v/o, the lean MLP,
-            as `retrograd train` builds it for SFT (--smoke: a tiny random Llama)
+            lora_B random so every gradient is checked (common.retrograd_lora_model; --smoke: a tiny
+            random Llama)
   pass      one SFT micro-batch: [2, 256] random tokens, loss on every token through retrograd's fused
             head (Scorer.loss_sum), then backward; gradients are zeroed before each pass
   sides     "eager": the model as retrograd runs it; "compile": the same modules (the same parameters)
@@ -50,21 +51,9 @@ LOSS_TOL, GRAD_TOL = 1e-5, 2e-3
 
 
 def build(smoke: bool):
+    """(model, the [ROWS, SEQ] batch of random tokens every pass trains on)."""
     import torch
-    from retrograd.models.lean_mlp import lean_mlp
-    from retrograd.models.load import load_model
-    from retrograd.models.lora import attach_lora
-    if smoke:
-        from retrograd.models.builtin import builtin_gguf
-        folder = Path(tempfile.mkdtemp()) / "tiny"
-        common.tiny_llama(folder, common.tokenizer_folder(builtin_gguf(BUILTIN)), SEED)
-        path = str(folder)
-    else:
-        path = BUILTIN
-    model = load_model(path, log=lambda *a: None).model
-    lean_mlp(model)
-    model, _ = attach_lora(model, 8, 16, ["q_proj", "k_proj", "v_proj", "o_proj"], 0.0, SEED)
-    model.train()
+    model = common.retrograd_lora_model(smoke, SEED, BUILTIN)
     torch.manual_seed(SEED)
     ids = torch.randint(0, model.config.vocab_size, (ROWS, SEQ))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}

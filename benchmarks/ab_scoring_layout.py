@@ -14,8 +14,9 @@ prompts and their completions (a DPO step's pairs, a GRPO update's groups):
 This script measures both on the shapes the benchmarks train, so the thresholds can be measured again
 on the next CPU:
 
-  model    SmolLM2-135M-Instruct (fp32), LoRA r=8 / alpha 16 on q/k/v/o, the lean MLP, train mode, as
-           `retrograd train` builds it (--smoke: a tiny random Llama)
+  model    SmolLM2-135M-Instruct (fp32), LoRA r=8 / alpha 16 on q/k/v/o with lora_B random (so every
+           gradient is checked), the lean MLP, train mode (common.retrograd_lora_model; --smoke: a tiny
+           random Llama)
   pass     Scorer.shared_prompt_sums (forward through the fused head) and backward of their sum;
            random tokens with the lengths of bench_dpo.py's step (2 pairs: prompts ~25 tokens after the
            prefix, sides ~72) and bench_grpo.py's update (4 prompts x 4 completions of 18-32 tokens)
@@ -35,7 +36,6 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,24 +47,6 @@ SEED = 0
 SUM_TOL, GRAD_TOL = 1e-4, 1e-3  # float32 sums in another order; a changed piece of work moves them far more
 # (shape, common prefix tokens): the prefix pass saves prefix x (prompts - 1) prompt tokens
 PREFIX_CASES = [("dpo", 26), ("dpo", 40), ("dpo", 56), ("dpo", 80), ("grpo", 10), ("grpo", 16), ("grpo", 27)]
-
-
-def build(smoke: bool):
-    from retrograd.models.lean_mlp import lean_mlp
-    from retrograd.models.load import load_model
-    from retrograd.models.lora import attach_lora
-    if smoke:
-        from retrograd.models.builtin import builtin_gguf
-        folder = Path(tempfile.mkdtemp()) / "tiny"
-        common.tiny_llama(folder, common.tokenizer_folder(builtin_gguf(BUILTIN)), SEED)
-        path = str(folder)
-    else:
-        path = BUILTIN
-    model = load_model(path, log=lambda *a: None).model
-    lean_mlp(model)
-    model, _ = attach_lora(model, 8, 16, ["q_proj", "k_proj", "v_proj", "o_proj"], 0.0, SEED)
-    model.train()
-    return model
 
 
 def batch(kind: str, prefix: int, vocab: int, seed: int = SEED) -> tuple[list, list, list]:
@@ -139,7 +121,7 @@ def main() -> None:
     common.warn_if_busy()
     peak = common.matmul_peak()
     load_before = common.load_average()
-    model = build(args.smoke)
+    model = common.retrograd_lora_model(args.smoke, SEED, BUILTIN)
     scorer, vocab = logprobs.Scorer(model), min(40_000, model.config.vocab_size)
     lead_rows, min_saving = logprobs.prompts_lead_rows, logprobs.MIN_SCORED_PREFIX_SAVING
 

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_sft  # noqa: E402
 import common  # noqa: E402
 from bench_sft import (LORA_ALPHA, LORA_R, LORA_TARGETS, THREADS, cpu_model,  # noqa: E402
-                       load_trl_model, self_peak_rss_mb, versions, worker_prepare, write_json)
+                       load_trl_model, self_peak_rss_mb, worker_prepare, write_json)
 
 PROMPTS, GENS, MAX_NEW, LR, SEED = 4, 4, 32, 1e-4, 0
 

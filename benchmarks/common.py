@@ -364,6 +364,33 @@ def tiny_llama(path: Path, tokenizer_dir: str, seed: int = 0) -> dict:
     return model_shape(cfg)
 
 
+def retrograd_lora_model(smoke: bool, seed: int = 0, builtin: str = "smollm2-135m-instruct"):
+    """The model an in-process A/B of retrograd trains: SmolLM2 (--smoke: a tiny random Llama) loaded as
+    `retrograd train` loads it, the lean MLP, LoRA r=8 / alpha 16 on q/k/v/o, train mode. lora_B starts
+    random, not zero (PEFT's start), so that every lora_A gradient is non-zero too and a check that two
+    sides' gradients agree can fail on every tensor."""
+    import torch
+    from retrograd.models.builtin import builtin_gguf
+    from retrograd.models.lean_mlp import lean_mlp
+    from retrograd.models.load import load_model
+    from retrograd.models.lora import attach_lora
+    path = builtin
+    if smoke:
+        folder = Path(tempfile.mkdtemp()) / "tiny"
+        tiny_llama(folder, tokenizer_folder(builtin_gguf(builtin)), seed)
+        path = str(folder)
+    model = load_model(path, log=lambda *a: None).model
+    lean_mlp(model)
+    model, _ = attach_lora(model, 8, 16, ["q_proj", "k_proj", "v_proj", "o_proj"], 0.0, seed)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    model.train()
+    return model
+
+
 def load_trl_model(path: str):
     """(model, tokenizer) for a TRL side: a .gguf de-quantized to fp32 by transformers, or an HF folder."""
     import torch
