@@ -224,7 +224,7 @@ def test_compile_ab_check_reports_differences_and_stops_beyond_tolerance():
 def test_scoring_layout_ab_shapes_and_check():
     import torch
     import ab_scoring_layout as ab
-    from retrograd.models.logprobs import shared_prefix_length
+    from retrograd.models.layout import shared_prefix_length
     prompts, completions, owner = ab.batch("dpo", 40, 1000)
     assert len(prompts) == 2 and owner == [0, 0, 1, 1] and [len(c) for c in completions] == [74, 71, 73, 70]
     assert shared_prefix_length(prompts, 1) == 40  # the common prefix is exactly the system prompt

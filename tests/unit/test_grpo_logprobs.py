@@ -6,13 +6,24 @@ import torch
 
 from retrograd.models.load import load_model
 from retrograd.models.lora import attach_lora
-from retrograd.models.logprobs import (MIN_SCORED_PREFIX_SAVING, MIN_SHARED_PREFIX_SAVING, PACK_ROW_TOKENS, Scorer,
-                                       pack_completions, prompts_lead_rows, shared_prefix_length)
+from retrograd.models.layout import MIN_SHARED_PREFIX_SAVING, pack_completions, prompts_lead_rows, shared_prefix_length
+from retrograd.models.logprobs import MIN_SCORED_PREFIX_SAVING, PACK_ROW_TOKENS, Scorer
 from retrograd.train.policy_update import collate
 
 # 60 tokens every prompt starts with, like a chat template's system prompt: enough that two prompts share it
 # in a scoring pass (MIN_SCORED_PREFIX_SAVING)
 SYSTEM = list(range(3, 63))
+# a 20-token prefix: two prompts would share it in the sampler's prefill (MIN_SHARED_PREFIX_SAVING), not in a
+# scoring pass, so the scorer's own prefix length must reach every piece of its layout
+SHORT_SYSTEM = SYSTEM[:20]
+
+
+def decoder_passes(scorer) -> list:
+    """Counts the scorer's decoder passes: a list that gets each pass's number of tokens embedded (the
+    packed forward embeds the real tokens only)."""
+    tokens = []
+    scorer.decoder.embed_tokens.register_forward_pre_hook(lambda _, args: tokens.append(args[0].numel()))
+    return tokens
 
 
 def test_shared_prefix_length():
@@ -28,6 +39,14 @@ def test_shared_prefix_length():
     assert shared_prefix_length([forty + [30], forty + [40], forty + [50]], MIN_SCORED_PREFIX_SAVING) == 40
 
 
+def one_row_per_completion(model) -> Scorer:
+    """The reference: each completion in a row of its own with its prompt, through transformers' forward
+    (no shared prompt, no packing)."""
+    scorer = Scorer(model)
+    scorer.packer = None
+    return scorer
+
+
 def trained_lora(tiny_model, seed: int):
     """(the loaded tiny model, it with a LoRA whose B is random: an adapter that changes the outputs)."""
     loaded = load_model(str(tiny_model), log=lambda *_: None)
@@ -40,27 +59,32 @@ def trained_lora(tiny_model, seed: int):
     return loaded, model
 
 
-@pytest.mark.parametrize("common", [False, True], ids=["distinct_prompts", "common_prefix"])
-def test_shared_prompt_forward_equals_one_row_per_completion(tiny_model, common):
+@pytest.mark.parametrize("system, passes", [([], 1), (SHORT_SYSTEM, 1), (SYSTEM, 2)],
+                         ids=["distinct_prompts", "short_prefix_in_rows", "common_prefix_apart"])
+def test_shared_prompt_forward_equals_one_row_per_completion(tiny_model, system, passes):
     loaded, model = trained_lora(tiny_model, seed=0)
     scorer, pad = Scorer(model), loaded.tokenizer.pad_token_id
-    prompts = [loaded.tokenizer("hello there friend")["input_ids"], loaded.tokenizer("hi")["input_ids"]]
-    if common:
-        prompts = [SYSTEM + p for p in prompts]
-        assert shared_prefix_length(prompts, MIN_SCORED_PREFIX_SAVING) >= len(SYSTEM)  # the prefix pass runs
+    prompts = [system + loaded.tokenizer(text)["input_ids"] for text in ("hello there friend", "hi")]
     completions = [[10, 20, 30, 40], [50, 60], [70, 80, 90], [5]]
     owner = [0, 1, 0, 1]  # two groups, prompts of different lengths
     coef = torch.randn(4, 4)
     rows, _ = pack_completions(owner, [len(c) for c in completions], PACK_ROW_TOKENS)
     assert prompts_lead_rows(rows)  # one row per prompt: each prompt leads its row in one pass
 
-    plain = scorer.token_logprobs(collate([(prompts[o], c) for o, c in zip(owner, completions)], pad), 4)
+    rows_batch = collate([(prompts[o], c) for o, c in zip(owner, completions)], pad)
+    plain = one_row_per_completion(model).token_logprobs(rows_batch, 4)
     (plain * coef).sum().backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     model.zero_grad()
+    shapes = decoder_passes(scorer)
     shared = scorer.shared_prompt_logprobs(prompts, completions, owner, 4, pad)
     (shared * coef).sum().backward()
 
+    # the common prefix runs apart only from MIN_SCORED_PREFIX_SAVING saved tokens (60 x 1, not 20 x 1),
+    # then one pass of prompt-led rows: what is not shared, and no padding
+    assert len(shapes) == passes, shapes
+    prefix_apart = shared_prefix_length(prompts, MIN_SCORED_PREFIX_SAVING)  # what the prefix pass took, if it ran
+    assert shapes[-1] == sum(len(p) - prefix_apart for p in prompts) + sum(len(c) for c in completions)
     assert torch.allclose(shared, plain, atol=1e-6)
     assert shared[1, 2:].abs().sum() == 0 and shared[3, 1:].abs().sum() == 0  # nothing past a completion
     for name, p in model.named_parameters():
@@ -90,7 +114,7 @@ def test_short_bf16_passes_use_eager_attention_with_the_same_values(tiny_model):
 
 
 def test_pack_completions_by_hand():
-    from retrograd.models.logprobs import pack_completions
+    from retrograd.models.layout import pack_completions
     # prompt 0: lengths 4, 2, 3 (capacity 6): 4 first, then 2 beside it, 3 in a new row; prompt 1: 5 and 1
     rows, width = pack_completions([0, 1, 0, 0, 1], [4, 5, 2, 3, 1], 6)
     assert rows == [(0, [(0, 0), (2, 4)]), (0, [(3, 0)]), (1, [(1, 0), (4, 5)])]
@@ -108,7 +132,7 @@ def test_pack_completions_by_hand():
 
 
 def test_packed_attention_mask_by_hand():
-    from retrograd.models.logprobs import packed_attention_mask
+    from retrograd.models.layout import packed_attention_mask
     prompt_keys = torch.tensor([[False, True, True]])  # one left-padded prompt position
     segment = torch.tensor([[0, 0, 1, -1]])  # completion 0 (2 tokens), completion 1 (1 token), padding
     mask = packed_attention_mask(prompt_keys, segment, torch.float32)
@@ -124,7 +148,7 @@ def test_packed_attention_mask_by_hand():
 
 
 def test_prompt_led_attention_mask_by_hand():
-    from retrograd.models.logprobs import PADDING, PROMPT, prompt_led_attention_mask
+    from retrograd.models.layout import PADDING, PROMPT, prompt_led_attention_mask
     segment = torch.tensor([[PROMPT, PROMPT, 0, 0, 1, PADDING]])  # a 2-token prompt, completions 0 and 1, padding
     mask = prompt_led_attention_mask(1, segment, torch.float32)  # after a 1-token common prefix
     assert mask.shape == (1, 1, 6, 7)
@@ -142,33 +166,41 @@ def test_prompt_led_attention_mask_by_hand():
     assert not prompts_lead_rows([(0, [(0, 0)]), (0, [(1, 0)])])  # prompt 0 spans two rows
 
 
-def test_completions_split_over_several_rows_per_prompt(tiny_model, monkeypatch):
+@pytest.mark.parametrize("system, passes", [(SHORT_SYSTEM, 2), (SYSTEM, 3)],
+                         ids=["short_prefix_in_prompts_pass", "common_prefix_apart"])
+def test_completions_split_over_several_rows_per_prompt(tiny_model, monkeypatch, system, passes):
     """A prompt whose completions overflow one packed row gets several rows (each gathering its prompt's
-    cache): still the values and gradients of one row per completion."""
+    cache): still the values and gradients of one row per completion. With a 20-token prefix the prompts
+    pass keeps the prefix (the sampler's prefill would split it off), at positions counted from 0."""
     import retrograd.models.logprobs as logprobs
     monkeypatch.setattr(logprobs, "PACK_ROW_TOKENS", 5)
     loaded, model = trained_lora(tiny_model, seed=1)
     scorer, pad = Scorer(model), loaded.tokenizer.pad_token_id
-    prompts = [SYSTEM + [30, 31, 32], SYSTEM + [40]]
+    prompts = [system + [30, 31, 32], system + [40]]
     completions = [[10, 20, 30], [50, 60], [70, 80, 90, 95], [5], [6, 7], [8, 9, 11]]
     owner = [0, 0, 0, 1, 1, 1]
-    rows, _ = logprobs.pack_completions(owner, [len(c) for c in completions], 5)
+    rows, _ = pack_completions(owner, [len(c) for c in completions], 5)
     assert sum(o == 0 for o, _ in rows) >= 2  # the split this test is about
-    assert not logprobs.prompts_lead_rows(rows)  # so the prompts run in a pass of their own
+    assert not prompts_lead_rows(rows)  # so the prompts run in a pass of their own
     coef = torch.randn(6, 4)
-    plain = scorer.token_logprobs(collate([(prompts[o], c) for o, c in zip(owner, completions)], pad), 4)
+    rows_batch = collate([(prompts[o], c) for o, c in zip(owner, completions)], pad)
+    plain = one_row_per_completion(model).token_logprobs(rows_batch, 4)
     (plain * coef).sum().backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     model.zero_grad()
+    shapes = decoder_passes(scorer)
     shared, states = scorer.shared_prompt_logprobs(prompts, completions, owner, 4, pad, states=True)
     (shared * coef).sum().backward()
+    # [the prefix,] the prompts (what is not shared), the completion rows: real tokens only
+    prefix_apart = len(system) if passes == 3 else 0
+    assert len(shapes) == passes and shapes[-1] == sum(len(c) for c in completions), shapes
+    assert shapes[-2] == sum(len(p) - prefix_apart for p in prompts)
     assert torch.allclose(shared, plain, atol=1e-6)
     for name, p in model.named_parameters():
         if p.requires_grad:
             assert (p.grad - want[name]).norm() <= 1e-5 * want[name].norm(), name
     # the states that predicted each token: those of a full row per completion, zero past its end
-    _, full_states = scorer.token_logprobs(collate([(prompts[o], c) for o, c in zip(owner, completions)], pad), 4,
-                                           states=True)
+    _, full_states = one_row_per_completion(model).token_logprobs(rows_batch, 4, states=True)
     assert torch.allclose(states, full_states, atol=1e-5)
 
 

@@ -3,11 +3,12 @@ prompt once (and a pass's pairs their common prefix once) through the KV cache, 
 and gradients of one row per side, unlabelled tokens after a response included."""
 import torch
 
-from retrograd.data.preference import Pair
+from retrograd.data.preference import Pair, prompt_length
 from retrograd.data.sft import IGNORE, Example
 from retrograd.models.load import load_model
 from retrograd.models.lora import attach_lora
-from retrograd.models.logprobs import MIN_SCORED_PREFIX_SAVING, Scorer, shared_prefix_length
+from retrograd.models.layout import shared_prefix_length
+from retrograd.models.logprobs import MIN_SCORED_PREFIX_SAVING, Scorer
 from retrograd.train.preference import pair_logprobs
 
 SYSTEM = list(range(3, 63))  # a chat template's system prompt: every prompt starts with it, long enough to run once
@@ -35,7 +36,7 @@ def test_shared_prompt_pair_logprobs_equal_one_row_per_side(tiny_model):
                 p.normal_(0, 0.3)
     scorer, pad = Scorer(model), loaded.tokenizer.pad_token_id
     assert scorer.shares_prompts  # a llama model with a plain head
-    prompts = [p.chosen.input_ids[:len(SYSTEM) + 1] for p in pairs()]
+    prompts = [p.chosen.input_ids[:prompt_length(p.chosen)] for p in pairs()]  # as pair_logprobs cuts them
     assert shared_prefix_length(prompts, MIN_SCORED_PREFIX_SAVING) == len(SYSTEM)  # the pairs share its pass
     coef = torch.tensor([1.0, -2.0, 0.5, 3.0])
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from retrograd.models.load import load_model
-from retrograd.models.logprobs import shared_prefix_length
+from retrograd.models.layout import shared_prefix_length
 from retrograd.rl.sampler import GroupStreams, filter_logits, sample
 
 

@@ -15,9 +15,12 @@ model's own logits. One scorer, these readings:
   target_and_top1(batch)     log p(label) and whether it is the first choice, per labelled position (distill)
   compare(other, batch)      KL to another model and top-1 agreement at every labelled position (distill)
 
-`split_prompts` lays out prompts for a shared-prefix forward: the sampler's prefill, and the scoring
-pass's separate prompts pass. Positions count from each prompt's first token whether or not its
-prefix runs apart, so sampling and scoring give the model the same positions.
+Padded passes run their real tokens only where the model allows it (models/packed.py: every layer but
+attention on the [N] real tokens; a GRPO update's prompt-led rows are 12 % padding, SFT passes of rows of
+different lengths right-padded); otherwise, and for unpadded passes, the model's own forward.
+
+Where the tokens of a shared-prompt pass sit (the common prefix, packed rows, their masks) is
+models/layout.py's.
 """
 from __future__ import annotations
 
@@ -25,6 +28,9 @@ import torch
 
 from retrograd.models.fused_head import (IGNORE, cross_entropy_sum_reference, linear_cross_entropy_sum,
                                          linear_token_logprobs, select_targets)
+from retrograd.models.layout import (PADDING, PROMPT, additive_mask, pack_completions, packed_attention_mask,
+                                     prompt_led_attention_mask, prompts_lead_rows, shared_prefix_length, split_prompts)
+from retrograd.models.packed import PackedForward, grid_slots, packed_index, scatter_rows
 
 # rows of logits alive at once in the fused head: 256 x 49k vocabulary x 4 B = 50 MB (1,024 rows
 # cost ~250 MB more peak memory and were no faster)
@@ -33,18 +39,16 @@ CE_CHUNK_ROWS = 256
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale", "logits_scaling")
 # a separate pass over the prompts' common prefix costs one more forward's fixed overhead; it pays once it
 # saves this many prompt tokens (those after the first prompt's). The sampler's prefill runs forward only. A
-# scoring pass also runs backward through it, at a few dozen rows per matmul: on SmolLM2 + LoRA on a 2-core
-# CPU (interleaved A/Bs of a DPO step's and a GRPO update's scoring, benchmarks/ab_scoring_layout.py) it
-# was slower in 6 of 9 comparisons at 26-48 saved tokens (by up to 10 %), and faster in 3 of 6 at 56-81
-# (by up to 12 %): small effects in a noisy machine, so a scoring pass shares the prefix from 56
-MIN_SHARED_PREFIX_SAVING = 16
-MIN_SCORED_PREFIX_SAVING = 56
+# scoring pass also runs backward through it, at a few dozen rows per matmul. On SmolLM2 + LoRA on a 2-core
+# CPU (interleaved A/Bs of a DPO step's and a GRPO update's scoring, benchmarks/ab_scoring_layout.py) the
+# firm result is at a DPO step's 26 saved tokens: the prefix pass was slower in all three runs (by 1-10 %).
+# From ~40 saved tokens the runs show no clear break-even (within -8 % ... +12 % either way), so 56 is a
+# judgement that keeps the prefix in the rows where it is known to cost and splits it where it may pay
+MIN_SCORED_PREFIX_SAVING = 56  # the sampler's forward-only prefill: layout.MIN_SHARED_PREFIX_SAVING
 # a packed completions row holds up to this many tokens (or the longest completion, if longer): enough
 # for a group of short RL completions in one row, short enough that attending across the row's other
 # completions (masked, but computed) stays a small part of its cost
 PACK_ROW_TOKENS = 256
-# packed rows' segment ids besides a completion's index: padding, and (prompt-led rows) the row's prompt
-PADDING, PROMPT = -1, -2
 # architectures whose forward on a KV cache was checked equal to one full row per completion
 # (values and gradients: tests/unit/test_grpo_logprobs.py, test_preference_logprobs.py); others score one row per sequence
 SHARED_PROMPT_MODELS = ("llama",)
@@ -69,6 +73,8 @@ class Scorer:
         # prompts may run once for all their completions (needs the fused head and a checked architecture)
         self.shares_prompts = (self.fusable and not self.sharded
                                and getattr(base.config, "model_type", None) in SHARED_PROMPT_MODELS)
+        # padded passes run their real tokens only (models/packed.py), where the decoder allows it
+        self.packer = PackedForward(self.decoder) if self.fusable and not self.sharded else None
 
     @property
     def fused(self) -> bool:
@@ -79,9 +85,25 @@ class Scorer:
         from retrograd.dist import is_whole
         return not self.sharded or is_whole(self.base)
 
+    @property
+    def packs(self) -> bool:
+        """This pass runs its real tokens only, padding left out of every layer (models/packed.py)."""
+        return self.packer is not None and self.packer.supported()
+
     # ---- the two forwards ------------------------------------------------------------------------
     def hidden(self, batch: dict) -> torch.Tensor:
-        return self.decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+        """[B, T, H] final hidden states; right-padded rows run packed (zeros at padding), where they can."""
+        attention = batch["attention_mask"]
+        if attention is not None and self.packs:
+            real = attention.bool()
+            rows, width = real.shape
+            columns = torch.arange(width, device=real.device)
+            if torch.equal(real, columns[None] < real.sum(1, keepdim=True)):  # causal then masks the padding too
+                slots = grid_slots(real)
+                h, _ = self.packer.run(batch["input_ids"].reshape(-1)[slots], columns.repeat(rows)[slots], slots,
+                                       rows, width)
+                return scatter_rows(h, slots, rows, width)
+        return self.decoder(input_ids=batch["input_ids"], attention_mask=attention,
                             use_cache=False).last_hidden_state  # [B, T, H]
 
     def logits(self, batch: dict) -> torch.Tensor:
@@ -184,17 +206,15 @@ class Scorer:
         cost ~22 % of a GRPO update's layer FLOPs (379 real of 512 tokens). The prompts' common prefix
         runs first, once, as the cache every row starts from, where that saves MIN_SCORED_PREFIX_SAVING
         tokens. When each prompt's completions fill one row (a DPO pair, a group of short RL
-        completions), the prompt leads its row in the same pass (`_prompt_led_rows`); otherwise the prompts run in a pass of their own whose cache each of
-        their rows gathers (`_cached_prompt_rows`), so no prompt is computed twice."""
+        completions), the prompt leads its row in the same pass (`_prompt_led_rows`); otherwise the
+        prompts run in a pass of their own whose cache each of their rows gathers
+        (`_cached_prompt_rows`), so no prompt is computed twice."""
         device = self.head.weight.device
         lengths = [len(c) for c in completions]
         n, n_max = len(completions), max(lengths)
         rows, _ = pack_completions(owner, lengths, max(n_max, PACK_ROW_TOKENS))
         common = shared_prefix_length(prompts, MIN_SCORED_PREFIX_SAVING)
-        cache = None
-        if common:
-            cache = self.decoder(input_ids=torch.tensor(prompts[0][:common], device=device)[None],
-                                 position_ids=torch.arange(common, device=device)[None], use_cache=True).past_key_values
+        cache = self._prefix_pass(prompts[0][:common]) if common else None
         run = self._prompt_led_rows if prompts_lead_rows(rows) else self._cached_prompt_rows
         states, source = run(prompts, completions, rows, common, cache, pad_id)
         ids = torch.full((n, n_max), pad_id, dtype=torch.long, device=device)
@@ -203,6 +223,15 @@ class Scorer:
             ids[i, :len(c)] = torch.tensor(c, device=device)
             keep[i, :len(c)] = True
         return states[source.to(device)[keep]], ids, keep
+
+    def _prefix_pass(self, prefix: list[int]):
+        """The prompts' common prefix, once: its keys and values, per layer (packed: a list of (keys,
+        values) [1, KV, c, D]; else transformers' cache)."""
+        device, c = self.head.weight.device, len(prefix)
+        ids, positions = torch.tensor(prefix, device=device), torch.arange(c, device=device)
+        if self.packs:
+            return self.packer.run(ids, positions, positions, 1, c, keep_kv=True)[1]
+        return self.decoder(input_ids=ids[None], position_ids=positions[None], use_cache=True).past_key_values
 
     def _prompt_led_rows(self, prompts, completions, rows, common, cache, pad_id):
         """One pass over rows [prompt remainder | its completions side by side | padding], on the common
@@ -229,9 +258,14 @@ class Scorer:
                 segment[r, start:start + k] = i
                 source[i, 0] = r * width + lp - 1  # the prompt's last state predicts every first token
                 source[i, 1:k] = r * width + start + torch.arange(k - 1)
+        mask = prompt_led_attention_mask(common, segment.to(device), self.head.weight.dtype)
+        if self.packs:  # the rows' padding left out; the prefix's keys expand to every row
+            slots = grid_slots(segment != PADDING).to(device)
+            hidden, _ = self.packer.run(packed.reshape(-1).to(device)[slots], positions.reshape(-1).to(device)[slots],
+                                        slots, len(rows), width, mask, past=cache)
+            return hidden, packed_index(slots, len(rows) * width)[source.to(device)]
         if cache is not None:
             cache.reorder_cache(torch.zeros(len(rows), dtype=torch.long, device=device))  # differentiable
-        mask = prompt_led_attention_mask(common, segment.to(device), self.head.weight.dtype)
         hidden = self.decoder(input_ids=packed.to(device), attention_mask=mask, position_ids=positions.to(device),
                               past_key_values=cache, use_cache=False).last_hidden_state  # [R, W, H]
         return hidden.reshape(-1, hidden.shape[-1]), source
@@ -242,16 +276,21 @@ class Scorer:
         their graph when gathered, so gradients reach every prompt position. -> as `_prompt_led_rows`."""
         device = self.head.weight.device
         _, ids_p, attention_p, positions_p = split_prompts(prompts, pad_id, device, common)
-        if cache is not None:
-            cache.reorder_cache(torch.zeros(len(prompts), dtype=torch.long, device=device))  # one row per prompt
-            attention_p = torch.cat([torch.ones_like(attention_p[:, :1]).expand(-1, common), attention_p], 1)
-        out = self.decoder(input_ids=ids_p, attention_mask=attention_p, position_ids=positions_p,
-                           past_key_values=cache, use_cache=True)
-        last = out.last_hidden_state[:, -1]  # [P, H]: predicts each prompt's completions' first token
-        width = max(sum(len(completions[i]) for i, _ in members) for _, members in rows)
         row_owner = torch.tensor([r[0] for r in rows], device=device)
-        cache = out.past_key_values
-        cache.reorder_cache(row_owner)  # index_select per layer: differentiable
+        prompt_keys = attention_p  # [P, K]: the keys a prompt's completions see (the prefix's, then its own)
+        if cache is not None:
+            prompt_keys = torch.cat([torch.ones_like(attention_p[:, :1]).expand(-1, common), attention_p], 1)
+        if self.packs:
+            last, cache = self._packed_prompts_pass(ids_p, attention_p, positions_p, cache, row_owner)
+        else:
+            if cache is not None:
+                cache.reorder_cache(torch.zeros(len(prompts), dtype=torch.long, device=device))  # one row per prompt
+            out = self.decoder(input_ids=ids_p, attention_mask=prompt_keys, position_ids=positions_p,
+                               past_key_values=cache, use_cache=True)
+            last = out.last_hidden_state[:, -1]  # [P, H]: predicts each prompt's completions' first token
+            cache = out.past_key_values
+            cache.reorder_cache(row_owner)  # index_select per layer: differentiable
+        width = max(sum(len(completions[i]) for i, _ in members) for _, members in rows)
         packed = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
         positions = torch.zeros((len(rows), width), dtype=torch.long, device=device)
         segment = torch.full((len(rows), width), PADDING, dtype=torch.long, device=device)
@@ -265,10 +304,36 @@ class Scorer:
                 segment[r, at:at + k] = i
                 source[i, 0] = o  # the prompt's last state, then the completion's own states
                 source[i, 1:k] = len(prompts) + r * width + at + torch.arange(k - 1)
-        mask = packed_attention_mask(attention_p[row_owner].bool(), segment, last.dtype)
+        mask = packed_attention_mask(prompt_keys[row_owner].bool(), segment, self.head.weight.dtype)
+        if self.packs:
+            slots = grid_slots(segment >= 0)
+            hidden, _ = self.packer.run(packed.reshape(-1)[slots], positions.reshape(-1)[slots], slots, len(rows),
+                                        width, mask, past=cache)
+            index = torch.cat([torch.arange(len(prompts), device=device),
+                               len(prompts) + packed_index(slots, len(rows) * width)])
+            return torch.cat([last, hidden]), index[source.to(device)]
         hidden = self.decoder(input_ids=packed, attention_mask=mask, position_ids=positions, past_key_values=cache,
                               use_cache=False).last_hidden_state  # [R, width, H]
         return torch.cat([last, hidden.reshape(-1, hidden.shape[-1])]), source
+
+    def _packed_prompts_pass(self, ids, attention, positions, prefix, row_owner):
+        """The prompts' pass of `_cached_prompt_rows`, packed: ([P, H] each prompt's last state, per layer
+        (keys, values) [R, KV, c + W, D] of the prefix and each row's prompt). The prompts are left-padded:
+        a token sees the prefix and its prompt up to itself, padding itself only (never a row of nothing)."""
+        prompts, width = ids.shape
+        real = attention.bool()
+        own = torch.ones(width, width, dtype=torch.bool, device=ids.device).tril() & real[:, None, :]
+        own |= torch.eye(width, dtype=torch.bool, device=ids.device)
+        common = 0 if prefix is None else prefix[0][0].shape[2]
+        allowed = torch.cat([own.new_ones(prompts, width, common), own], dim=2)
+        slots = grid_slots(real)
+        hidden, kv = self.packer.run(ids.reshape(-1)[slots], positions.reshape(-1)[slots], slots, prompts, width,
+                                     additive_mask(allowed, self.head.weight.dtype), past=prefix, keep_kv=True)
+        if prefix is not None:
+            kv = [(torch.cat([pk.expand(prompts, -1, -1, -1), k], 2), torch.cat([pv.expand(prompts, -1, -1, -1), v], 2))
+                  for (pk, pv), (k, v) in zip(prefix, kv)]
+        last = hidden[packed_index(slots, prompts * width)[torch.arange(1, prompts + 1, device=ids.device) * width - 1]]
+        return last, [(k[row_owner], v[row_owner]) for k, v in kv]
 
     def labelled_distributions(self, batch: dict, chunk: int = CE_CHUNK_ROWS):
         """Yield (float32 log-softmax [n, V], targets [n]) over the labelled positions, `chunk` rows at a
@@ -311,7 +376,8 @@ class Scorer:
         for r, (tokens, _) in enumerate(rows):
             ids[r, :len(tokens)] = torch.tensor(tokens)
             mask[r, :len(tokens)] = 1
-        hidden = self.decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state  # [B, T, H]
+        padded = bool((mask == 0).any())
+        hidden = self.hidden({"input_ids": ids, "attention_mask": mask if padded else None})  # [B, T, H]
         out = []
         for r, (tokens, targets) in enumerate(rows):
             h = hidden[r, :len(tokens)]
@@ -340,90 +406,3 @@ class Scorer:
             top = (np.concatenate([np.zeros((first, topk), np.int32), i.numpy().astype(np.int32)]),
                    np.concatenate([np.zeros((first, topk), np.float32), v.numpy()]))
         return values, top
-
-
-def shared_prefix_length(prompts: list[list[int]], min_saving: int = MIN_SHARED_PREFIX_SAVING) -> int:
-    """Tokens at the start of every prompt worth running once for all of them: the longest common
-    prefix, leaving each prompt at least one token of its own (whose hidden state predicts the first
-    completion token); 0 when one prompt or when sharing saves fewer than `min_saving` tokens."""
-    if len(prompts) < 2:
-        return 0
-    first, n = prompts[0], min(len(p) for p in prompts) - 1
-    common = 0
-    while common < n and all(p[common] == first[common] for p in prompts):
-        common += 1
-    return common if common * (len(prompts) - 1) >= min_saving else 0
-
-
-def split_prompts(prompts: list[list[int]], pad_id: int, device=None, common: int | None = None):
-    """Prompts as (prefix [c] or None, ids [P, W], attention [P, W], positions [P, W]): their shared
-    prefix apart (`common` tokens, by default shared_prefix_length's), and what follows it left-padded
-    so every prompt ends in the last column, at positions counted after the prefix."""
-    if common is None:
-        common = shared_prefix_length(prompts)
-    rest = [p[common:] for p in prompts]
-    width = max(len(p) for p in rest)
-    ids = torch.full((len(rest), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(rest), width), dtype=torch.long)
-    for i, p in enumerate(rest):
-        ids[i, width - len(p):] = torch.tensor(p)
-        attention[i, width - len(p):] = 1
-    positions = common + (attention.cumsum(-1) - 1).clamp(min=0)
-    prefix = torch.tensor(prompts[0][:common], device=device) if common else None
-    return prefix, ids.to(device), attention.to(device), positions.to(device)
-
-
-def pack_completions(owner: list[int], lengths: list[int], capacity: int) -> tuple[list, int]:
-    """Completions (of prompts `owner`, `lengths` tokens each) laid side by side in rows of at most
-    `capacity` tokens, a row holding one prompt's completions only (they share its KV cache):
-    ([(prompt, [(completion, start column), ...]) per row], the longest row). Each prompt's
-    completions go longest first into the first of its rows with room (first-fit decreasing)."""
-    rows: list[tuple[int, list]] = []
-    used: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (owner[i], -lengths[i], i)):
-        r = next((r for r in range(len(rows)) if rows[r][0] == owner[i] and used[r] + lengths[i] <= capacity), None)
-        if r is None:
-            rows.append((owner[i], []))
-            used.append(0)
-            r = len(rows) - 1
-        rows[r][1].append((i, used[r]))
-        used[r] += lengths[i]
-    return rows, max(used)
-
-
-def prompts_lead_rows(rows: list) -> bool:
-    """Each prompt's completions fill one packed row (pack_completions' rows), so each prompt can lead its
-    row in the completions' own pass, computed once."""
-    owners = [o for o, _ in rows]
-    return len(set(owners)) == len(owners)
-
-
-def prompt_led_attention_mask(prefix: int, segment: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The additive 4D mask [R, 1, W, prefix + W] of prompt-led rows: every token sees the `prefix` keys of
-    the common prefix's cache; within its row (`segment` [R, W]: PROMPT, a completion's index, or PADDING),
-    a prompt token sees the prompt up to itself, a completion token the prompt and its own completion up to
-    itself, and padding the prompt (never a row of nothing)."""
-    rows, w = segment.shape
-    causal = torch.ones(w, w, dtype=torch.bool, device=segment.device).tril()
-    query, key = segment[:, :, None], segment[:, None, :]
-    own = (key == PROMPT) | ((query == key) & (query >= 0))
-    allowed = torch.cat([torch.ones(rows, w, prefix, dtype=torch.bool, device=segment.device), own & causal], dim=2)
-    return _additive(allowed, dtype)
-
-
-def packed_attention_mask(prompt_keys: torch.Tensor, segment: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The additive 4D mask [R, 1, W, K + W] of a packed completions pass: each token sees its row's
-    prompt keys where `prompt_keys` [R, K] is true, and the tokens of its own completion up to itself
-    (`segment` [R, W]: the completion of each column, -1 for padding, which sees the prompt only)."""
-    w = segment.shape[1]
-    causal = torch.ones(w, w, dtype=torch.bool, device=segment.device).tril()
-    own = (segment[:, :, None] == segment[:, None, :]) & (segment[:, :, None] >= 0) & causal  # [R, W, W]
-    allowed = torch.cat([prompt_keys[:, None, :].expand(-1, w, -1), own], dim=2)
-    return _additive(allowed, dtype)
-
-
-def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean [R, Q, K] 'may attend' as the additive [R, 1, Q, K] mask (0 / dtype's min) the model's
-    attention adds to its scores; SDPA and the eager attention both take it, where only SDPA takes booleans."""
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]

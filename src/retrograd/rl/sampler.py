@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from retrograd.models.logprobs import split_prompts
+from retrograd.models.layout import split_prompts
 
 
 @dataclass

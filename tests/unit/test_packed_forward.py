@@ -1,0 +1,151 @@
+"""The packed forward (models/packed.py) against transformers' own forward: padded batches run their real
+tokens only, and every reading the scorer makes from them (hidden states, log-probabilities, the shared-
+prompt passes, their gradients) equals the plain forward's to float32 rounding."""
+import pytest
+import torch
+
+from retrograd.models.load import load_model
+from retrograd.models.lora import attach_lora
+from retrograd.models.logprobs import Scorer
+from retrograd.models.packed import grid_slots, packed_index, scatter_rows
+from retrograd.train.policy_update import collate
+
+SYSTEM = list(range(3, 63))  # a 60-token system prompt: two prompts share it in a scoring pass
+
+
+def lora_model(tiny_model, seed: int = 0):
+    """The tiny model with a LoRA whose B is random (so every LoRA tensor gets a gradient) and dropout 0."""
+    loaded = load_model(str(tiny_model), log=lambda *_: None)
+    model, _ = attach_lora(loaded.model, 4, 8, ["auto"], 0.0, 0)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    return loaded, model
+
+
+def plain(scorer: Scorer) -> Scorer:
+    """The same model scored through transformers' forward: the reference."""
+    scorer.packer = None
+    return scorer
+
+
+def grads(model) -> dict:
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def assert_close_grads(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys() and len(got) > 0
+    for name in want:
+        assert (got[name] - want[name]).norm() <= 1e-5 * want[name].norm() + 1e-9, name
+
+
+def test_layout_helpers_by_hand():
+    real = torch.tensor([[True, True, False], [True, False, False]])
+    slots = grid_slots(real)
+    assert slots.tolist() == [0, 1, 3]
+    assert packed_index(slots, 6).tolist() == [0, 1, -1, 2, -1, -1]
+    h = torch.tensor([[1.0], [2.0], [3.0]])
+    assert scatter_rows(h, slots, 2, 3)[..., 0].tolist() == [[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]]
+
+
+def test_right_padded_rows_run_packed_with_the_plain_values_and_gradients(tiny_model):
+    loaded, model = lora_model(tiny_model)
+    packed_scorer, reference = Scorer(model), plain(Scorer(model))
+    assert packed_scorer.packs
+    pad = loaded.tokenizer.pad_token_id
+    seqs = [([5, 6, 7, 8, 9], [10, 11, 12]), ([20, 21], [22]), ([30] * 9, [31, 32, 33, 34])]
+    batch = collate(seqs, pad)
+    assert batch["attention_mask"] is not None  # rows of different lengths: padded
+    coef = torch.randn(3, 4)
+    want = reference.token_logprobs(batch, 4)
+    (want * coef).sum().backward()
+    want_grads = grads(model)
+    got = packed_scorer.token_logprobs(batch, 4)
+    (got * coef).sum().backward()
+    assert torch.allclose(got, want, atol=1e-6)
+    assert_close_grads(grads(model), want_grads)
+    # the hidden states of real positions are transformers' own; padding reads 0
+    with torch.no_grad():
+        h = packed_scorer.hidden(batch)
+        decoder = model.get_base_model().model
+        ref = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    real = batch["attention_mask"].bool()
+    assert torch.allclose(h[real], ref[real], atol=1e-5)
+    assert h[~real].abs().sum() == 0
+    # and the summed SFT loss, through the fused head
+    labels = batch["input_ids"].masked_fill(~real, -100)
+    sft = {**batch, "labels": labels}
+    assert torch.allclose(packed_scorer.loss_sum(sft), reference.loss_sum(sft), rtol=1e-6)
+
+
+def test_unpadded_and_left_padded_batches_keep_the_plain_forward(tiny_model, monkeypatch):
+    loaded, model = lora_model(tiny_model)
+    scorer = Scorer(model)
+    calls = []
+    monkeypatch.setattr(scorer.packer, "run", lambda *a, **k: calls.append(1))
+    ids = torch.randint(3, 200, (2, 6))
+    scorer.hidden({"input_ids": ids, "attention_mask": None})  # nothing padded: one plain pass
+    left = torch.tensor([[0, 1, 1, 1, 1, 1], [1] * 6])
+    scorer.hidden({"input_ids": ids, "attention_mask": left})  # left padding: causal alone would not mask it
+    assert calls == []
+
+
+def test_packing_steps_aside_for_eager_attention_and_checkpointing(tiny_model):
+    from retrograd.device import attention_for_length
+    _, model = lora_model(tiny_model)
+    scorer = Scorer(model)
+    assert scorer.packs
+    model.config._attn_implementation = "eager"
+    assert not scorer.packs
+    model.config._attn_implementation = "sdpa"
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    assert not scorer.packs  # the plain forward checkpoints its layers; the packed one would not
+    bf16 = load_model(str(tiny_model), "bfloat16", log=lambda *_: None).model
+    with attention_for_length(bf16, 24):  # short bf16 passes take the eager attention
+        assert not Scorer(bf16).packs
+
+
+@pytest.mark.parametrize("system, split", [([], False), (SYSTEM, False), ([], True), (SYSTEM, True)],
+                         ids=["prompt_led", "prompt_led_prefix", "split_rows", "split_rows_prefix"])
+def test_shared_prompt_passes_packed_equal_the_plain_passes(tiny_model, monkeypatch, system, split):
+    """Every layout of the shared-prompt pass (prompt-led rows or a prompts pass, with or without the common
+    prefix apart), packed against the same layout through transformers' forward: values, states, gradients."""
+    import retrograd.models.logprobs as logprobs
+    if split:
+        monkeypatch.setattr(logprobs, "PACK_ROW_TOKENS", 5)  # a prompt's completions overflow one row
+    loaded, model = lora_model(tiny_model, seed=2)
+    pad = loaded.tokenizer.pad_token_id
+    prompts = [system + [30, 31, 32, 33], system + [40], system + [41, 42]]  # prompts of different lengths
+    completions = [[10, 20, 30], [50, 60], [70, 80, 90, 95], [5], [6, 7], [8, 9, 11], [12, 13]]
+    owner = [0, 0, 0, 1, 1, 1, 2]  # groups of different sizes: the prompt-led rows are padded
+    coef = torch.randn(7, 4)
+    results = []
+    for scorer in (plain(Scorer(model)), Scorer(model)):
+        logp, states = scorer.shared_prompt_logprobs(prompts, completions, owner, 4, pad, states=True)
+        (logp * coef).sum().backward()
+        results.append((logp.detach(), states, grads(model)))
+    (want, want_states, want_grads), (got, got_states, got_grads) = results
+    assert torch.allclose(got, want, atol=1e-6)
+    assert torch.allclose(got_states, want_states, atol=1e-5)
+    assert_close_grads(got_grads, want_grads)
+    # both equal one full row per completion through the model's full logits (no fused head, no packing)
+    full = Scorer(model)
+    full.fusable = False
+    rows = full.token_logprobs(collate([(prompts[o], c) for o, c in zip(owner, completions)], pad), 4)
+    assert torch.allclose(got, rows.detach(), atol=1e-5)
+
+
+def test_target_logprobs_packed_equal_the_plain_forward(tiny_model):
+    """The service's per-datum log-probabilities: one right-padded pass, packed."""
+    _, model = lora_model(tiny_model)
+    rows = [([5, 6, 7, 8], torch.tensor([6, 7, 8, 9])), ([10, 11], torch.tensor([11, 12]))]
+    with torch.no_grad():
+        got = Scorer(model).target_logprobs(rows)
+        want = plain(Scorer(model)).target_logprobs(rows)
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, atol=1e-6)
