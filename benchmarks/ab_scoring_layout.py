@@ -10,6 +10,8 @@ prompts and their completions (a DPO step's pairs, a GRPO update's groups):
   prefix   the prompts' common prefix (a chat template's system prompt) in a pass of its own, once,
            against in every row, as a function of the prompt tokens it saves; the scorer runs it
            apart from MIN_SCORED_PREFIX_SAVING saved tokens
+  packing  the rows' real tokens only through every layer but attention (models/packed.py), against
+           transformers' forward over the padded rows (a GRPO update's groups differ in length)
 
 This script measures both on the shapes the benchmarks train, so the thresholds can be measured again
 on the next CPU:
@@ -26,7 +28,7 @@ on the next CPU:
 
 Run from the repository root on an IDLE machine:
 
-    python benchmarks/ab_scoring_layout.py [--repeats 5] [--out benchmarks/results]
+    python benchmarks/ab_scoring_layout.py [--repeats 5] [--only rows,prefix,packing] [--out benchmarks/results]
     python benchmarks/ab_scoring_layout.py --smoke       # tiny random Llama, $TMPDIR/bench_out
 
 Writes OUT/ab_scoring_layout_<timestamp>.json with the machine and each pass's seconds.
@@ -113,7 +115,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed pairs per comparison (default 5)")
     p.add_argument("--out", help="results folder (default benchmarks/results; $TMPDIR/bench_out with --smoke)")
     p.add_argument("--smoke", action="store_true", help="a tiny random Llama: checks the plumbing")
+    p.add_argument("--only", default="rows,prefix,packing", help="comparisons to run (default all three)")
     args = p.parse_args()
+    only = set(args.only.split(","))
+    if not only <= {"rows", "prefix", "packing"}:
+        raise SystemExit(f"--only: rows, prefix or packing, not {args.only}")
     common.start_like_the_cli()
     import torch
     import retrograd.models.logprobs as logprobs
@@ -123,7 +129,7 @@ def main() -> None:
     load_before = common.load_average()
     model = common.retrograd_lora_model(args.smoke, SEED, BUILTIN)
     scorer, vocab = logprobs.Scorer(model), min(40_000, model.config.vocab_size)
-    lead_rows, min_saving = logprobs.prompts_lead_rows, logprobs.MIN_SCORED_PREFIX_SAVING
+    lead_rows, min_saving, packer = logprobs.prompts_lead_rows, logprobs.MIN_SCORED_PREFIX_SAVING, scorer.packer
 
     def setup(lead: bool, prefix_pass: bool | None = None):
         def apply():
@@ -131,13 +137,22 @@ def main() -> None:
             logprobs.MIN_SCORED_PREFIX_SAVING = min_saving if prefix_pass is None else (1 if prefix_pass else 10**9)
         return apply
 
-    results = {"rows": {}, "prefix": {}}
+    def packing(on: bool):
+        def apply():
+            scorer.packer = packer if on else None
+        return apply
+
+    results = {"rows": {}, "prefix": {}, "packing": {}}
     try:
-        for kind in ("dpo", "grpo"):
+        for kind in ("dpo", "grpo") if "packing" in only else ():
+            data = batch(kind, 27, vocab)
+            results["packing"][kind] = ab(model, scorer, data, {"packed": packing(True), "padded": packing(False)},
+                                          args.repeats, f"packing, {kind} shape")
+        for kind in ("dpo", "grpo") if "rows" in only else ():
             data = batch(kind, 27, vocab)
             results["rows"][kind] = ab(model, scorer, data, {"prompt_led": setup(True), "cached": setup(False)},
                                        args.repeats, f"rows, {kind} shape")
-        for kind, prefix in PREFIX_CASES:
+        for kind, prefix in PREFIX_CASES if "prefix" in only else ():
             data = batch(kind, prefix, vocab)
             saved = prefix * (len(data[0]) - 1)
             r = ab(model, scorer, data, {"prefix_pass": setup(True, True), "in_rows": setup(True, False)},
@@ -146,8 +161,9 @@ def main() -> None:
                                                      "scorer_runs_it_apart": saved >= min_saving, **r}
     finally:
         logprobs.prompts_lead_rows, logprobs.MIN_SCORED_PREFIX_SAVING = lead_rows, min_saving
+        scorer.packer = packer
     path = common.write_result("ab_scoring_layout", {
-        "machine": common.machine(peak), "setup": {"smoke": args.smoke, "repeats": args.repeats,
+        "machine": common.machine(peak), "setup": {"smoke": args.smoke, "repeats": args.repeats, "only": sorted(only),
                                                     "min_scored_prefix_saving": min_saving},
         "results": results, "load_average": {"before": load_before, "after": common.load_average()}},
         Path(args.out) if args.out else None, smoke=args.smoke)
