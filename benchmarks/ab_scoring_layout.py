@@ -11,7 +11,8 @@ prompts and their completions (a DPO step's pairs, a GRPO update's groups):
            against in every row, as a function of the prompt tokens it saves; the scorer runs it
            apart from MIN_SCORED_PREFIX_SAVING saved tokens
   packing  the rows' real tokens only through every layer but attention (models/packed.py), against
-           transformers' forward over the padded rows (a GRPO update's groups differ in length)
+           transformers' forward over the padded rows: the DPO and GRPO shapes (a GRPO update's groups
+           differ in length) and an SFT pass of 6 right-padded rows of 40-86 tokens (23 % padding)
 
 This script measures both on the shapes the benchmarks train, so the thresholds can be measured again
 on the next CPU:
@@ -63,12 +64,30 @@ def batch(kind: str, prefix: int, vocab: int, seed: int = SEED) -> tuple[list, l
     return prompts, [tokens(rng.randrange(18, 33)) for _ in range(16)], [i // 4 for i in range(16)]
 
 
+def sft_rows(vocab: int, seed: int = SEED) -> dict:
+    """An SFT pass of rows of different lengths, right-padded as training.micro_batch = 512 packs them: 6
+    rows of 40-86 tokens (the range of the quickstart's builtin:chat-sft rows), loss on every token."""
+    import torch
+    rng = random.Random(seed)
+    lengths = [86, 71, 53, 80, 40, 65]
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    labels = torch.full_like(ids, -100)
+    attention = torch.zeros_like(ids)
+    for r, n in enumerate(lengths):
+        ids[r, :n] = torch.tensor([rng.randrange(100, vocab) for _ in range(n)])
+        labels[r, :n], attention[r, :n] = ids[r, :n], 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": attention}
+
+
 def one_pass(model, scorer, data) -> tuple[float, "torch.Tensor", dict]:
     import torch
-    prompts, completions, owner = data
     model.zero_grad(set_to_none=True)
     t = time.perf_counter()
-    sums = scorer.shared_prompt_sums(prompts, completions, owner, [[True] * len(c) for c in completions], 0)
+    if isinstance(data, dict):  # an SFT pass: the summed loss of a right-padded batch
+        sums = scorer.loss_sum(data)[None]
+    else:
+        prompts, completions, owner = data
+        sums = scorer.shared_prompt_sums(prompts, completions, owner, [[True] * len(c) for c in completions], 0)
     sums.sum().backward()
     seconds = time.perf_counter() - t
     grads = {n: p.grad.detach().to(torch.float64) for n, p in model.named_parameters()
@@ -144,8 +163,8 @@ def main() -> None:
 
     results = {"rows": {}, "prefix": {}, "packing": {}}
     try:
-        for kind in ("dpo", "grpo") if "packing" in only else ():
-            data = batch(kind, 27, vocab)
+        for kind in ("dpo", "grpo", "sft") if "packing" in only else ():
+            data = sft_rows(vocab) if kind == "sft" else batch(kind, 27, vocab)
             results["packing"][kind] = ab(model, scorer, data, {"packed": packing(True), "padded": packing(False)},
                                           args.repeats, f"packing, {kind} shape")
         for kind in ("dpo", "grpo") if "rows" in only else ():

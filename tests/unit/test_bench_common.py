@@ -231,6 +231,10 @@ def test_scoring_layout_ab_shapes_and_check():
     prompts, completions, owner = ab.batch("grpo", 10, 1000)
     assert len(prompts) == 4 and len(completions) == 16 and owner == [i // 4 for i in range(16)]
     assert shared_prefix_length(prompts, 1) == 10
+    sft = ab.sft_rows(1000)  # right-padded rows of different lengths, every real token labelled
+    real = sft["attention_mask"].bool()
+    assert real.sum(1).tolist() == [86, 71, 53, 80, 40, 65] and not real[:, 0].logical_not().any()
+    assert torch.equal(sft["labels"] != -100, real) and (sft["input_ids"][real] >= 100).all()
     grads = {"a": torch.tensor([1.0, -2.0], dtype=torch.float64)}
     a = (1.0, torch.tensor([-100.0, -0.5], dtype=torch.float64), grads)
     close = (1.0, torch.tensor([-100.001, -0.50001], dtype=torch.float64), grads)

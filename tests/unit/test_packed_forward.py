@@ -125,6 +125,7 @@ def test_shared_prompt_passes_packed_equal_the_plain_passes(tiny_model, monkeypa
     owner = [0, 0, 0, 1, 1, 1, 2]  # groups of different sizes: the prompt-led rows are padded
     coef = torch.randn(7, 4)
     results = []
+    assert Scorer(model).packs  # else both sides below would be the plain forward
     for scorer in (plain(Scorer(model)), Scorer(model)):
         logp, states = scorer.shared_prompt_logprobs(prompts, completions, owner, 4, pad, states=True)
         (logp * coef).sum().backward()
@@ -149,3 +150,33 @@ def test_target_logprobs_packed_equal_the_plain_forward(tiny_model):
         want = plain(Scorer(model)).target_logprobs(rows)
     for g, w in zip(got, want):
         assert torch.allclose(g, w, atol=1e-6)
+
+
+def test_packed_forward_with_biases_rope_scaling_bf16_and_lora_dropout(tmp_path):
+    """A Llama with attention and MLP biases and llama3 RoPE scaling, in float32 with LoRA dropout (eval:
+    off) and in bf16: the packed hidden states of a right-padded batch are the plain forward's."""
+    from tiny import make_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+    tok = make_tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, attention_bias=True, mlp_bias=True,
+                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+                      max_position_embeddings=128, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    ids = torch.randint(3, 200, (3, 40))
+    attention = (torch.arange(40)[None] < torch.tensor([[40], [23], [7]])).long()
+    batch = {"input_ids": ids, "attention_mask": attention}
+    real = attention.bool()
+    for dtype, atol in (("float32", 1e-5), ("bfloat16", 0.05)):
+        model = load_model(str(tmp_path / "m"), dtype, log=lambda *_: None).model
+        model, _ = attach_lora(model, 4, 8, ["auto"], 0.5, 0)  # dropout 0.5: off in eval
+        model.eval()
+        with torch.no_grad():
+            scorer = Scorer(model)
+            assert scorer.packs, dtype
+            got = scorer.hidden(batch)[real].float()
+            want = plain(Scorer(model)).hidden(batch)[real].float()
+        assert torch.allclose(got, want, atol=atol), (dtype, (got - want).abs().max())

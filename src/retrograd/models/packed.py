@@ -58,7 +58,7 @@ class PackedForward:
         cos, sin = self.decoder.rotary_emb(h, positions[None])  # [1, N, D]
         cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, D]: per token, broadcast over heads
         kept = []
-        for i, layer in enumerate(self.decoder.layers):
+        for i, layer in enumerate(self.decoder.layers[:self.config.num_hidden_layers]):  # as transformers' loop
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             q = _rope(attn.q_proj(x).view(n, H, D), cos, sin)
