@@ -57,6 +57,22 @@ def make_model_dir(path: Path, seed: int = 0, hidden: int = 32, layers: int = 2,
     return path
 
 
+def random_lora(model_dir: Path, seed: int = 0):
+    """(the loaded model at `model_dir`, it with a LoRA r=4 on every linear layer whose B is random, not
+    PEFT's zeros): an adapter that changes the outputs, so every LoRA tensor gets a gradient."""
+    import torch
+    from retrograd.models.load import load_model
+    from retrograd.models.lora import attach_lora
+    loaded = load_model(str(model_dir), log=lambda *_: None)
+    model, _ = attach_lora(loaded.model, 4, 8, ["auto"], 0.0, 0)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    return loaded, model
+
+
 WORDS = "red green blue cat dog sun moon tree fish bird rock star".split()
 
 

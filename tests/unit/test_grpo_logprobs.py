@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from retrograd.models.load import load_model
-from retrograd.models.lora import attach_lora
 from retrograd.models.layout import MIN_SHARED_PREFIX_SAVING, pack_completions, prompts_lead_rows, shared_prefix_length
 from retrograd.models.logprobs import MIN_SCORED_PREFIX_SAVING, PACK_ROW_TOKENS, Scorer
 from retrograd.train.policy_update import collate
+from tiny import random_lora
 
 # 60 tokens every prompt starts with, like a chat template's system prompt: enough that two prompts share it
 # in a scoring pass (MIN_SCORED_PREFIX_SAVING)
@@ -47,22 +47,10 @@ def one_row_per_completion(model) -> Scorer:
     return scorer
 
 
-def trained_lora(tiny_model, seed: int):
-    """(the loaded tiny model, it with a LoRA whose B is random: an adapter that changes the outputs)."""
-    loaded = load_model(str(tiny_model), log=lambda *_: None)
-    model, _ = attach_lora(loaded.model, 4, 8, ["auto"], 0.0, 0)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.3)
-    return loaded, model
-
-
 @pytest.mark.parametrize("system, passes", [([], 1), (SHORT_SYSTEM, 1), (SYSTEM, 2)],
                          ids=["distinct_prompts", "short_prefix_in_rows", "common_prefix_apart"])
 def test_shared_prompt_forward_equals_one_row_per_completion(tiny_model, system, passes):
-    loaded, model = trained_lora(tiny_model, seed=0)
+    loaded, model = random_lora(tiny_model, seed=0)
     scorer, pad = Scorer(model), loaded.tokenizer.pad_token_id
     prompts = [system + loaded.tokenizer(text)["input_ids"] for text in ("hello there friend", "hi")]
     completions = [[10, 20, 30, 40], [50, 60], [70, 80, 90], [5]]
@@ -174,7 +162,7 @@ def test_completions_split_over_several_rows_per_prompt(tiny_model, monkeypatch,
     pass keeps the prefix (the sampler's prefill would split it off), at positions counted from 0."""
     import retrograd.models.logprobs as logprobs
     monkeypatch.setattr(logprobs, "PACK_ROW_TOKENS", 5)
-    loaded, model = trained_lora(tiny_model, seed=1)
+    loaded, model = random_lora(tiny_model, seed=1)
     scorer, pad = Scorer(model), loaded.tokenizer.pad_token_id
     prompts = [system + [30, 31, 32], system + [40]]
     completions = [[10, 20, 30], [50, 60], [70, 80, 90, 95], [5], [6, 7], [8, 9, 11]]

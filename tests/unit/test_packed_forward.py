@@ -5,24 +5,13 @@ import pytest
 import torch
 
 from retrograd.models.load import load_model
+from tiny import random_lora
 from retrograd.models.lora import attach_lora
 from retrograd.models.logprobs import Scorer
 from retrograd.models.packed import grid_slots, packed_index, scatter_rows
 from retrograd.train.policy_update import collate
 
 SYSTEM = list(range(3, 63))  # a 60-token system prompt: two prompts share it in a scoring pass
-
-
-def lora_model(tiny_model, seed: int = 0):
-    """The tiny model with a LoRA whose B is random (so every LoRA tensor gets a gradient) and dropout 0."""
-    loaded = load_model(str(tiny_model), log=lambda *_: None)
-    model, _ = attach_lora(loaded.model, 4, 8, ["auto"], 0.0, 0)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.3)
-    return loaded, model
 
 
 def plain(scorer: Scorer) -> Scorer:
@@ -53,7 +42,7 @@ def test_layout_helpers_by_hand():
 
 
 def test_right_padded_rows_run_packed_with_the_plain_values_and_gradients(tiny_model):
-    loaded, model = lora_model(tiny_model)
+    loaded, model = random_lora(tiny_model)
     packed_scorer, reference = Scorer(model), plain(Scorer(model))
     assert packed_scorer.packs
     pad = loaded.tokenizer.pad_token_id
@@ -83,7 +72,7 @@ def test_right_padded_rows_run_packed_with_the_plain_values_and_gradients(tiny_m
 
 
 def test_unpadded_and_left_padded_batches_keep_the_plain_forward(tiny_model, monkeypatch):
-    loaded, model = lora_model(tiny_model)
+    loaded, model = random_lora(tiny_model)
     scorer = Scorer(model)
     calls = []
     monkeypatch.setattr(scorer.packer, "run", lambda *a, **k: calls.append(1))
@@ -96,7 +85,7 @@ def test_unpadded_and_left_padded_batches_keep_the_plain_forward(tiny_model, mon
 
 def test_packing_steps_aside_for_eager_attention_and_checkpointing(tiny_model):
     from retrograd.device import attention_for_length
-    _, model = lora_model(tiny_model)
+    _, model = random_lora(tiny_model)
     scorer = Scorer(model)
     assert scorer.packs
     model.config._attn_implementation = "eager"
@@ -118,7 +107,7 @@ def test_shared_prompt_passes_packed_equal_the_plain_passes(tiny_model, monkeypa
     import retrograd.models.logprobs as logprobs
     if split:
         monkeypatch.setattr(logprobs, "PACK_ROW_TOKENS", 5)  # a prompt's completions overflow one row
-    loaded, model = lora_model(tiny_model, seed=2)
+    loaded, model = random_lora(tiny_model, seed=2)
     pad = loaded.tokenizer.pad_token_id
     prompts = [system + [30, 31, 32, 33], system + [40], system + [41, 42]]  # prompts of different lengths
     completions = [[10, 20, 30], [50, 60], [70, 80, 90, 95], [5], [6, 7], [8, 9, 11], [12, 13]]
@@ -143,7 +132,7 @@ def test_shared_prompt_passes_packed_equal_the_plain_passes(tiny_model, monkeypa
 
 def test_target_logprobs_packed_equal_the_plain_forward(tiny_model):
     """The service's per-datum log-probabilities: one right-padded pass, packed."""
-    _, model = lora_model(tiny_model)
+    _, model = random_lora(tiny_model)
     rows = [([5, 6, 7, 8], torch.tensor([6, 7, 8, 9])), ([10, 11], torch.tensor([11, 12]))]
     with torch.no_grad():
         got = Scorer(model).target_logprobs(rows)

@@ -6,10 +6,10 @@ import torch
 from retrograd.data.preference import Pair, prompt_length
 from retrograd.data.sft import IGNORE, Example
 from retrograd.models.load import load_model
-from retrograd.models.lora import attach_lora
 from retrograd.models.layout import shared_prefix_length
 from retrograd.models.logprobs import MIN_SCORED_PREFIX_SAVING, Scorer
 from retrograd.train.preference import pair_logprobs
+from tiny import random_lora
 
 SYSTEM = list(range(3, 63))  # a chat template's system prompt: every prompt starts with it, long enough to run once
 
@@ -27,13 +27,7 @@ def pairs() -> list[Pair]:
 
 
 def test_shared_prompt_pair_logprobs_equal_one_row_per_side(tiny_model):
-    loaded = load_model(str(tiny_model), log=lambda *_: None)
-    model, _ = attach_lora(loaded.model, 4, 8, ["auto"], 0.0, 0)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.3)
+    loaded, model = random_lora(tiny_model, seed=0)
     scorer, pad = Scorer(model), loaded.tokenizer.pad_token_id
     assert scorer.shares_prompts  # a llama model with a plain head
     prompts = [p.chosen.input_ids[:prompt_length(p.chosen)] for p in pairs()]  # as pair_logprobs cuts them

@@ -30,7 +30,7 @@ from retrograd.models.fused_head import (IGNORE, cross_entropy_sum_reference, li
                                          linear_token_logprobs, select_targets)
 from retrograd.models.layout import (PADDING, PROMPT, additive_mask, pack_completions, packed_attention_mask,
                                      prompt_led_attention_mask, prompts_lead_rows, shared_prefix_length, split_prompts)
-from retrograd.models.packed import PackedForward, grid_slots, packed_index, scatter_rows
+from retrograd.models.packed import PackedForward, packed_index, scatter_rows
 
 # rows of logits alive at once in the fused head: 256 x 49k vocabulary x 4 B = 50 MB (1,024 rows
 # cost ~250 MB more peak memory and were no faster)
@@ -99,9 +99,7 @@ class Scorer:
             rows, width = real.shape
             columns = torch.arange(width, device=real.device)
             if torch.equal(real, columns[None] < real.sum(1, keepdim=True)):  # causal then masks the padding too
-                slots = grid_slots(real)
-                h, _ = self.packer.run(batch["input_ids"].reshape(-1)[slots], columns.repeat(rows)[slots], slots,
-                                       rows, width)
+                h, slots, _ = self.packer.run(batch["input_ids"], columns.expand(rows, -1), real)
                 return scatter_rows(h, slots, rows, width)
         return self.decoder(input_ids=batch["input_ids"], attention_mask=attention,
                             use_cache=False).last_hidden_state  # [B, T, H]
@@ -230,7 +228,8 @@ class Scorer:
         device, c = self.head.weight.device, len(prefix)
         ids, positions = torch.tensor(prefix, device=device), torch.arange(c, device=device)
         if self.packs:
-            return self.packer.run(ids, positions, positions, 1, c, keep_kv=True)[1]
+            return self.packer.run(ids[None], positions[None], torch.ones(1, c, dtype=torch.bool, device=device),
+                                   keep_kv=True)[2]
         return self.decoder(input_ids=ids[None], position_ids=positions[None], use_cache=True).past_key_values
 
     def _prompt_led_rows(self, prompts, completions, rows, common, cache, pad_id):
@@ -260,9 +259,8 @@ class Scorer:
                 source[i, 1:k] = r * width + start + torch.arange(k - 1)
         mask = prompt_led_attention_mask(common, segment.to(device), self.head.weight.dtype)
         if self.packs:  # the rows' padding left out; the prefix's keys expand to every row
-            slots = grid_slots(segment != PADDING).to(device)
-            hidden, _ = self.packer.run(packed.reshape(-1).to(device)[slots], positions.reshape(-1).to(device)[slots],
-                                        slots, len(rows), width, mask, past=cache)
+            hidden, slots, _ = self.packer.run(packed.to(device), positions.to(device), segment.to(device) != PADDING,
+                                               mask, past=cache)
             return hidden, packed_index(slots, len(rows) * width)[source.to(device)]
         if cache is not None:
             cache.reorder_cache(torch.zeros(len(rows), dtype=torch.long, device=device))  # differentiable
@@ -306,9 +304,7 @@ class Scorer:
                 source[i, 1:k] = len(prompts) + r * width + at + torch.arange(k - 1)
         mask = packed_attention_mask(prompt_keys[row_owner].bool(), segment, self.head.weight.dtype)
         if self.packs:
-            slots = grid_slots(segment >= 0)
-            hidden, _ = self.packer.run(packed.reshape(-1)[slots], positions.reshape(-1)[slots], slots, len(rows),
-                                        width, mask, past=cache)
+            hidden, slots, _ = self.packer.run(packed, positions, segment >= 0, mask, past=cache)
             index = torch.cat([torch.arange(len(prompts), device=device),
                                len(prompts) + packed_index(slots, len(rows) * width)])
             return torch.cat([last, hidden]), index[source.to(device)]
@@ -326,12 +322,8 @@ class Scorer:
         own |= torch.eye(width, dtype=torch.bool, device=ids.device)
         common = 0 if prefix is None else prefix[0][0].shape[2]
         allowed = torch.cat([own.new_ones(prompts, width, common), own], dim=2)
-        slots = grid_slots(real)
-        hidden, kv = self.packer.run(ids.reshape(-1)[slots], positions.reshape(-1)[slots], slots, prompts, width,
-                                     additive_mask(allowed, self.head.weight.dtype), past=prefix, keep_kv=True)
-        if prefix is not None:
-            kv = [(torch.cat([pk.expand(prompts, -1, -1, -1), k], 2), torch.cat([pv.expand(prompts, -1, -1, -1), v], 2))
-                  for (pk, pv), (k, v) in zip(prefix, kv)]
+        hidden, slots, kv = self.packer.run(ids, positions, real, additive_mask(allowed, self.head.weight.dtype),
+                                            past=prefix, keep_kv=True)  # kv: the prefix's, then each prompt's
         last = hidden[packed_index(slots, prompts * width)[torch.arange(1, prompts + 1, device=ids.device) * width - 1]]
         return last, [(k[row_owner], v[row_owner]) for k, v in kv]
 

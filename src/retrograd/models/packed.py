@@ -18,13 +18,14 @@ and gradients, against transformers' forward).
 the attention (short bf16 passes switch to eager: device.attention_for_length), no attention dropout,
 no gradient checkpointing. Otherwise the caller uses the model's own forward.
 
-  run(ids, positions, slots, rows, width, mask=None, past=None, keep_kv=False)
-      ids / positions [N]: the real tokens and their positions; slots [N]: each one's flat index
-      r * width + column in the padded grid; mask: the additive [rows | 1, 1, width, P + width] mask
-      over `past` keys and the grid's own (None: causal, for rows whose padding all follows their
-      tokens); past: per layer (keys, values) [rows | 1, KV, P, D] every row attends to before its
-      own (a cached prefix or prompt). -> (final hidden states [N, H] after the last norm, and with
-      keep_kv per layer (keys, values) [rows, KV, width, D] after RoPE, zeros at padding)
+  run(ids, positions, real, mask=None, past=None, keep_kv=False)
+      ids / positions / real [R, W]: the padded grid, its positions and where a real token is; mask:
+      the additive [R | 1, 1, W, P + W] mask over `past` keys and the grid's own (None: causal, for
+      rows whose padding all follows their tokens); past: per layer (keys, values) [R | 1, KV, P, D]
+      every row attends to before its own (a cached prefix or prompt). -> (final hidden states
+      [N, H] of the real tokens, row by row, after the last norm; slots [N]: each one's flat index
+      r * W + column in the grid; with keep_kv per layer the (keys, values) [R, KV, P + W, D] the
+      rows attended to, past included, after RoPE, zeros at padding)
 """
 from __future__ import annotations
 
@@ -51,11 +52,13 @@ class PackedForward:
         return (self.shaped and getattr(self.config, "_attn_implementation", None) == "sdpa"
                 and not (self.decoder.training and getattr(self.decoder, "gradient_checkpointing", False)))
 
-    def run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: int, width: int,
-            mask: torch.Tensor | None = None, past: list | None = None, keep_kv: bool = False):
-        n, D, H, KV = ids.shape[0], self.head_dim, self.heads, self.kv_heads
-        h = self.decoder.embed_tokens(ids[None])  # [1, N, H]
-        cos, sin = self.decoder.rotary_emb(h, positions[None])  # [1, N, D]
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor, mask: torch.Tensor | None = None,
+            past: list | None = None, keep_kv: bool = False):
+        rows, width = ids.shape
+        slots = grid_slots(real)
+        n, D, H, KV = slots.shape[0], self.head_dim, self.heads, self.kv_heads
+        h = self.decoder.embed_tokens(ids.reshape(-1)[slots][None])  # [1, N, H]
+        cos, sin = self.decoder.rotary_emb(h, positions.reshape(-1)[slots][None])  # [1, N, D]
         cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, D]: per token, broadcast over heads
         kept = []
         for i, layer in enumerate(self.decoder.layers[:self.config.num_hidden_layers]):  # as transformers' loop
@@ -65,19 +68,19 @@ class PackedForward:
             k = _rope(attn.k_proj(x).view(n, KV, D), cos, sin)
             v = attn.v_proj(x).view(n, KV, D)
             q, k, v = (_to_grid(t, slots, rows, width) for t in (q, k, v))  # [R, heads, W, D]
-            if keep_kv:
-                kept.append((k, v))
             if past is not None:
                 pk, pv = past[i]
                 k = torch.cat([pk.expand(rows, -1, -1, -1), k], 2)
                 v = torch.cat([pv.expand(rows, -1, -1, -1), v], 2)
+            if keep_kv:
+                kept.append((k, v))
             groups = H // KV
             out = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
                                                  attn_mask=mask, is_causal=mask is None, scale=attn.scaling)
             out = out.transpose(1, 2).reshape(rows * width, H * D)[slots]  # [N, H * D]
             h = h + attn.o_proj(out[None])
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.decoder.norm(h)[0], kept
+        return self.decoder.norm(h)[0], slots, kept
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
