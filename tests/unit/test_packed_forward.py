@@ -36,8 +36,10 @@ def test_layout_helpers_by_hand():
     real = torch.tensor([[True, True, False], [True, False, False]])
     slots = grid_slots(real)
     assert slots.tolist() == [0, 1, 3]
-    assert packed_index(slots, 6).tolist() == [0, 1, -1, 2, -1, -1]
+    assert packed_index(slots, 6).tolist() == [0, 1, 3, 2, 3, 3]
     h = torch.tensor([[1.0], [2.0], [3.0]])
+    with pytest.raises(IndexError):  # a padding cell's state is never read: no wrap to the last token
+        h[packed_index(slots, 6)[torch.tensor([0, 2])]]
     assert scatter_rows(h, slots, 2, 3)[..., 0].tolist() == [[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]]
 
 

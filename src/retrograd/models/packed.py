@@ -101,9 +101,12 @@ def grid_slots(real: torch.Tensor) -> torch.Tensor:
 
 
 def packed_index(slots: torch.Tensor, cells: int) -> torch.Tensor:
-    """[cells] each grid cell's index among the real tokens (-1 at padding): grid index -> packed index."""
-    index = torch.full((cells,), -1, dtype=torch.long, device=slots.device)
-    return index.index_copy_(0, slots, torch.arange(slots.shape[0], device=slots.device))
+    """[cells] each grid cell's index among the N real tokens: grid index -> packed index. A padding cell
+    maps to N, one past the last real token, so that reading the state of a padding cell through it is an
+    IndexError (a layout bug made loud) instead of a silent read of the last token, as -1 would be."""
+    n = slots.shape[0]
+    index = torch.full((cells,), n, dtype=torch.long, device=slots.device)
+    return index.index_copy_(0, slots, torch.arange(n, device=slots.device))
 
 
 def scatter_rows(hidden: torch.Tensor, slots: torch.Tensor, rows: int, width: int) -> torch.Tensor:
