@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from retrograd.models.load import load_model
-from tiny import random_lora
 from retrograd.models.lora import attach_lora
 from retrograd.models.logprobs import Scorer
 from retrograd.models.packed import grid_slots, packed_index, scatter_rows
 from retrograd.train.policy_update import collate
+from tiny import random_lora
 
 SYSTEM = list(range(3, 63))  # a 60-token system prompt: two prompts share it in a scoring pass
 
