@@ -41,7 +41,10 @@ def attention_for_length(model, longest: int):
     """Within: eager attention instead of SDPA for a bf16 model on CPU whose sequences are at most
     EAGER_ATTENTION_MAX_KEYS long. There SDPA's flash kernel is the slow one (forward + backward,
     9 heads: 2.4-3.4x slower at 47-79 keys, equal at 256, 1.7x faster at 512; float32 does not gain),
-    and eager's [B, H, S, S] probabilities are still small. Same values either way."""
+    and eager's [B, H, S, S] probabilities are still small. Same values either way. A Llama's scoring
+    passes run packed either way (models/packed.py), whose matmul attention is the eager form and is
+    used for bf16 on a CPU up to 512 keys whatever this says; this switch matters for the models that
+    run transformers' own forward."""
     cfg = getattr(model, "config", None)
     param = next(model.parameters())
     if (cfg is None or param.device.type != "cpu" or param.dtype != torch.bfloat16

@@ -3,11 +3,12 @@ tokens only, and every reading the scorer makes from them (hidden states, log-pr
 prompt passes, their gradients) equals the plain forward's to float32 rounding."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 from retrograd.models.load import load_model
 from retrograd.models.lora import attach_lora
 from retrograd.models.logprobs import Scorer
-from retrograd.models.packed import grid_slots, packed_index, scatter_rows
+from retrograd.models.packed import attention_bias, grid_slots, matmul_attention, packed_index, scatter_rows
 from retrograd.train.policy_update import collate
 from tiny import random_lora
 
@@ -85,20 +86,95 @@ def test_unpadded_and_left_padded_batches_keep_the_plain_forward(tiny_model, mon
     assert calls == []
 
 
-def test_packing_steps_aside_for_eager_attention_and_checkpointing(tiny_model):
+def test_packing_steps_aside_for_checkpointing_and_runs_eager_models_with_matmul_attention(tiny_model):
+    """Gradient checkpointing keeps the plain forward; a model set to eager attention (what
+    device.attention_for_length does to short bf16 passes) packs, with matmul attention in every layer,
+    and its values and gradients are transformers' eager forward's."""
     from retrograd.device import attention_for_length
-    _, model = random_lora(tiny_model)
+    loaded, model = random_lora(tiny_model)
     scorer = Scorer(model)
-    assert scorer.packs
+    assert scorer.packs and not scorer.packer.matmul_attention_for(40)  # float32 SDPA model: SDPA
     model.config._attn_implementation = "eager"
-    assert not scorer.packs
+    assert scorer.packs and scorer.packer.matmul_attention_for(4096)
+    batch = collate([([5, 6, 7, 8, 9], [10, 11, 12]), ([20, 21], [22])], loaded.tokenizer.pad_token_id)
+    coef = torch.randn(2, 4)
+    want = plain(Scorer(model)).token_logprobs(batch, 4)
+    (want * coef).sum().backward()
+    want_grads = grads(model)
+    got = scorer.token_logprobs(batch, 4)
+    (got * coef).sum().backward()
+    assert torch.allclose(got, want, atol=1e-6)
+    assert_close_grads(grads(model), want_grads)
     model.config._attn_implementation = "sdpa"
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     assert not scorer.packs  # the plain forward checkpoints its layers; the packed one would not
     bf16 = load_model(str(tiny_model), "bfloat16", log=lambda *_: None).model
-    with attention_for_length(bf16, 24):  # short bf16 passes take the eager attention
-        assert not Scorer(bf16).packs
+    assert Scorer(bf16).packer.matmul_attention_for(512) and not Scorer(bf16).packer.matmul_attention_for(513)
+    with attention_for_length(bf16, 24):  # short bf16 passes take the eager attention: still packed
+        assert Scorer(bf16).packs
+
+
+def test_matmul_attention_equals_sdpa_with_grouped_heads_masks_and_past():
+    """matmul_attention against SDPA with the key-value heads repeated (transformers' pairing), in float64,
+    values and gradients: causal, and an additive mask over past keys in which one query (a padding cell)
+    may attend nothing: its output is finite, and the rest is SDPA's when that cell is left out of the loss,
+    as a padding cell's output is never read."""
+    torch.manual_seed(0)
+    rows, heads, kv_heads, width, past, dim = 2, 6, 2, 5, 3, 4
+    groups = heads // kv_heads
+    q = torch.randn(rows, heads, width, dim, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(rows, kv_heads, past + width, dim, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    coef = torch.randn(rows, heads, width, dim, dtype=torch.float64)
+    allowed = torch.rand(rows, width, past + width) < 0.6
+    allowed[:, :, 0] = True
+    allowed[1, -1] = False
+    mask = torch.zeros(rows, 1, width, past + width, dtype=torch.float64).masked_fill(~allowed[:, None], float("-inf"))
+    read_attending = allowed.any(-1)[:, None, :, None].expand_as(coef).double()
+    cases = [(None, width, torch.ones_like(coef)), (mask, past + width, read_attending)]
+    for mask, keys, read in cases:
+        ks, vs = k[:, :, -keys:], v[:, :, -keys:]
+        bias = attention_bias(mask, rows, width, keys, kv_heads, groups, torch.float64)
+        results = []
+        for attend in (lambda: matmul_attention(q, ks, vs, bias, 0.3),
+                       lambda: F.scaled_dot_product_attention(q, ks.repeat_interleave(groups, 1),
+                                                              vs.repeat_interleave(groups, 1), attn_mask=mask,
+                                                              is_causal=mask is None, scale=0.3)):
+            q.grad = k.grad = v.grad = None
+            out = attend()
+            (out * coef * read).sum().backward()
+            results.append((out.detach() * read, q.grad.clone(), k.grad.clone(), v.grad.clone()))
+        assert torch.isfinite(results[0][0]).all()
+        for got, want in zip(*results):
+            assert torch.allclose(got, want, atol=1e-12)
+    with torch.no_grad():
+        bias = attention_bias(cases[1][0], rows, width, past + width, kv_heads, groups, torch.float64)
+        assert torch.isfinite(matmul_attention(q, k, v, bias, 0.3)).all()
+
+
+def test_attention_bias_by_hand():
+    bias = attention_bias(None, 1, 2, 3, 1, 2, torch.float32)  # 2 queries after 1 past key, 2 heads a group
+    low = torch.finfo(torch.float32).min
+    assert bias.tolist() == [[0, 0, low], [0, 0, 0]] * 2
+    mask = torch.tensor([[[[0.0, float("-inf")]]], [[[float("-inf"), 0.0]]]])  # [R 2, 1, W 1, K 2]
+    bias = attention_bias(mask, 2, 1, 2, 2, 1, torch.float32)
+    assert bias.shape == (4, 1, 2) and bias[:, 0].tolist() == [[0, low], [0, low], [low, 0], [low, 0]]
+
+
+def test_unpadded_bf16_rows_run_packed_for_the_matmul_attention(tiny_model):
+    """In bf16 on a CPU the packed forward's matmul attention is the faster one, so unpadded rows (an SFT
+    pass of full rows) run packed too: the same hidden states as transformers' forward, to bf16 rounding."""
+    model = load_model(str(tiny_model), "bfloat16", log=lambda *_: None).model
+    scorer = Scorer(model)
+    batch = {"input_ids": torch.randint(3, 200, (2, 24)), "attention_mask": None}
+    calls = []
+    run = scorer.packer.run
+    scorer.packer.run = lambda *a, **k: calls.append(1) or run(*a, **k)
+    with torch.no_grad():
+        got = scorer.hidden(batch).float()
+        want = plain(Scorer(model)).hidden(batch).float()
+    assert calls == [1]
+    assert torch.allclose(got, want, atol=0.05), (got - want).abs().max()
 
 
 @pytest.mark.parametrize("system, split", [([], False), (SYSTEM, False), ([], True), (SYSTEM, True)],

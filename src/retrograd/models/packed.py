@@ -7,21 +7,33 @@ tokens: 12.5 % of the pass's matmuls computed on nothing), and SFT passes of row
 are right-padded to the longest row. Here the token-wise work (embedding, RMSNorms, q/k/v/o, the MLP,
 the residual adds, the final norm) runs on the N real tokens as one [1, N, H] batch, and only attention
 sees the padded grid: each layer scatters its queries, keys and values into [R, W] (zeros at padding),
-runs the same SDPA kernel with the caller's mask, and gathers the real positions back. The modules are
+attends with the caller's mask, and gathers the real positions back. The modules are
 the model's own (PEFT's LoRA layers, the lean MLP, the RMSNorms, the rotary embedding), called on a
 different leading shape, so LoRA, its dropout and the gradients are unchanged; attention's maths is
 transformers' (RoPE, grouped-query keys repeated per head, the same scale), and a padded key is always
 masked, so a real token's values are those of the plain forward up to float rounding (tested, values
 and gradients, against transformers' forward).
 
-`PackedForward(decoder).supported()` says whether it applies now: a plain Llama (`llama`), SDPA as
-the attention (short bf16 passes switch to eager: device.attention_for_length), no attention dropout,
-no gradient checkpointing. Otherwise the caller uses the model's own forward.
+Attention is SDPA's kernel, or `matmul_attention` (two batched products and a softmax, each key/value
+head serving its group of query heads without being copied per head) where that is the faster one:
+always when the model is set to transformers' eager attention (device.attention_for_length does so for
+short bf16 passes), and for bf16 on a CPU up to MATMUL_ATTENTION_MAX_KEYS keys. There SDPA's flash
+kernel took twice as long, forward + backward (SmolLM2's 9 query / 3 key-value heads, D 64, a 2-core
+AMD EPYC with native bf16): [2, 9, 256, 64] queries 12.0-12.4 ms against 5.2-6.3 ms a layer (in the
+profile of a whole 1.4 s SFT LoRA pass, flash took 9.1 ms a layer, 19 % of the pass), 21.9 against
+10.6 ms at 512 keys; but 47 against 54 ms at 1,024 keys and 148 against 220 at 2,048, where flash's
+tiles win and the [H, W, K] probabilities that backward keeps grow. In float32 SDPA stays: the matmul
+form was 0-15 % faster in isolation, not worth its probabilities' memory (~140 MB a 512-token pass of
+SmolLM2, 8 % of SFT LoRA's peak; in bf16, 71 MB).
+
+`PackedForward(decoder).supported()` says whether it applies now: a plain Llama (`llama`), SDPA or eager
+as the attention, no attention dropout, no gradient checkpointing. Otherwise the caller uses the model's
+own forward. `matmul_attention_for(keys)` says which attention a pass over `keys` keys runs.
 
   run(ids, positions, real, mask=None, past=None, keep_kv=False)
       ids / positions / real [R, W]: the padded grid, its positions and where a real token is; mask:
       the additive [R | 1, 1, W, P + W] mask over `past` keys and the grid's own (None: causal, for
-      rows whose padding all follows their tokens); past: per layer (keys, values) [R | 1, KV, P, D]
+      rows whose padding all follows their tokens, and no past); past: per layer (keys, values) [R | 1, KV, P, D]
       every row attends to before its own (a cached prefix or prompt). -> (final hidden states
       [N, H] of the real tokens, row by row, after the last norm; slots [N]: each one's flat index
       r * W + column in the grid; with keep_kv per layer the (keys, values) [R, KV, P + W, D] the
@@ -33,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 PACKED_MODELS = ("llama",)
+MATMUL_ATTENTION_MAX_KEYS = 512
 
 
 class PackedForward:
@@ -49,8 +62,15 @@ class PackedForward:
     def supported(self) -> bool:
         """Whether a pass can run packed now (the attention implementation and checkpointing can change
         between passes)."""
-        return (self.shaped and getattr(self.config, "_attn_implementation", None) == "sdpa"
+        return (self.shaped and getattr(self.config, "_attn_implementation", None) in ("sdpa", "eager")
                 and not (self.decoder.training and getattr(self.decoder, "gradient_checkpointing", False)))
+
+    def matmul_attention_for(self, keys: int) -> bool:
+        """A pass whose queries see `keys` keys attends with matmul_attention (else SDPA): see the docstring."""
+        if getattr(self.config, "_attn_implementation", None) == "eager":
+            return True
+        weight = self.decoder.embed_tokens.weight
+        return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and keys <= MATMUL_ATTENTION_MAX_KEYS
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor, mask: torch.Tensor | None = None,
             past: list | None = None, keep_kv: bool = False):
@@ -61,6 +81,12 @@ class PackedForward:
         cos, sin = self.decoder.rotary_emb(h, positions.reshape(-1)[slots][None])  # [1, N, D]
         cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, D]: per token, broadcast over heads
         kept = []
+        groups = H // KV
+        keys = width + (past[0][0].shape[2] if past else 0)
+        # matmul attention's additive bias, once a pass: [G * W, K] causal, or the caller's mask per row
+        # and key-value head [R * KV, G * W, K]
+        bias = (attention_bias(mask, rows, width, keys, KV, groups, h.dtype, h.device)
+                if self.matmul_attention_for(keys) else None)
         for i, layer in enumerate(self.decoder.layers[:self.config.num_hidden_layers]):  # as transformers' loop
             attn = layer.self_attn
             x = layer.input_layernorm(h)
@@ -74,13 +100,47 @@ class PackedForward:
                 v = torch.cat([pv.expand(rows, -1, -1, -1), v], 2)
             if keep_kv:
                 kept.append((k, v))
-            groups = H // KV
-            out = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
-                                                 attn_mask=mask, is_causal=mask is None, scale=attn.scaling)
+            if bias is not None:
+                out = matmul_attention(q, k, v, bias, attn.scaling)
+            else:
+                out = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
+                                                     attn_mask=mask, is_causal=mask is None, scale=attn.scaling)
             out = out.transpose(1, 2).reshape(rows * width, H * D)[slots]  # [N, H * D]
             h = h + attn.o_proj(out[None])
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.decoder.norm(h)[0], slots, kept
+
+
+def attention_bias(mask: torch.Tensor | None, rows: int, width: int, keys: int, kv_heads: int, groups: int,
+                   dtype: torch.dtype, device=None) -> torch.Tensor:
+    """matmul_attention's additive bias: 0 where a query may attend, dtype's lowest value elsewhere (as
+    transformers' masks: finite, so a query that may attend nothing gets uniform weights, not NaN).
+    mask None -> causal [groups * width, keys] (query i sees keys up to keys - width + i); an additive
+    [R | 1, 1, width, keys] mask -> [rows * kv_heads, groups * width, keys], one copy per key-value head
+    and query head of its group (once a pass, not a layer)."""
+    if mask is None:
+        allowed = torch.ones(width, keys, dtype=torch.bool, device=device).tril_(keys - width)
+        bias = torch.zeros(width, keys, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+        return bias.repeat(groups, 1)
+    mask = mask.to(dtype).clamp(min=torch.finfo(dtype).min)  # a -inf would turn a fully masked query into NaN
+    return mask[:, :, None].expand(rows, kv_heads, groups, width, keys).reshape(rows * kv_heads, groups * width, keys)
+
+
+def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """softmax(scale * q k^T + bias) v with grouped-query heads: q [R, H, W, D]; k, v [R, KV, K, D], key-value
+    head j serving query heads j * G ... j * G + G - 1 (G = H / KV), as transformers' repeat_kv pairs them,
+    but never copied per query head: the G heads' queries of a group are stacked into one [G * W, D]
+    operand of one batched product. bias [G * W, K] or [R * KV, G * W, K] (attention_bias). The
+    softmax runs in the inputs' dtype (in bf16, CPU kernels compute it in float32 and round the
+    probabilities, which the product with v would round anyway). -> [R, H, W, D]"""
+    rows, heads, width, dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    groups = heads // kv_heads
+    scores = torch.baddbmm(bias, q.reshape(rows * kv_heads, groups * width, dim),
+                           k.reshape(rows * kv_heads, keys, dim).transpose(1, 2), alpha=scale)
+    out = torch.bmm(torch.softmax(scores, -1), v.reshape(rows * kv_heads, keys, dim))
+    return out.view(rows, heads, width, dim)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
