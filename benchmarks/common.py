@@ -364,7 +364,7 @@ def tiny_llama(path: Path, tokenizer_dir: str, seed: int = 0) -> dict:
     return model_shape(cfg)
 
 
-def retrograd_lora_model(smoke: bool, seed: int = 0, builtin: str = "smollm2-135m-instruct"):
+def retrograd_lora_model(smoke: bool, seed: int = 0, builtin: str = "smollm2-135m-instruct", dtype: str = "float32"):
     """The model an in-process A/B of retrograd trains: SmolLM2 (--smoke: a tiny random Llama) loaded as
     `retrograd train` loads it, the lean MLP, LoRA r=8 / alpha 16 on q/k/v/o, train mode. lora_B starts
     random, not zero (PEFT's start), so that every lora_A gradient is non-zero too and a check that two
@@ -379,7 +379,7 @@ def retrograd_lora_model(smoke: bool, seed: int = 0, builtin: str = "smollm2-135
         folder = Path(tempfile.mkdtemp()) / "tiny"
         tiny_llama(folder, tokenizer_folder(builtin_gguf(builtin)), seed)
         path = str(folder)
-    model = load_model(path, log=lambda *a: None).model
+    model = load_model(path, dtype, log=lambda *a: None).model  # dtype: [model] dtype's values
     lean_mlp(model)
     model, _ = attach_lora(model, 8, 16, ["q_proj", "k_proj", "v_proj", "o_proj"], 0.0, seed)
     generator = torch.Generator().manual_seed(seed)

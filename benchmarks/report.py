@@ -1,6 +1,6 @@
 """Markdown tables from the benchmarks' result files, and the README sections they fill.
 
-Reads the newest benchmarks/results/<kind>_<YYYYMMDD_HHMMSS>.json of each kind (sft_lora, sft_full,
+Reads the newest benchmarks/results/<kind>_<YYYYMMDD_HHMMSS>.json of each kind (sft_lora, sft_lora_bf16, sft_full,
 dpo, service from common.write_result; grpo and distill in their own older layout; smoke results,
 named <kind>_smoke_..., are never picked) and prints, per kind, a line naming the machine, its CPU
 and measured matmul peak, then a table of medians with min-max over the interleaved runs and the
@@ -65,11 +65,15 @@ KINDS = {
                  ("sampling_tokens_per_s", "sampling tokens/s", 0), ("peak_rss_mb", "peak RSS MB", 0)]},
 }
 KINDS["sft_full"] = {**KINDS["sft_lora"], "title": "SFT full fine-tune, retrograd vs TRL SFTTrainer"}
+KINDS["sft_lora_bf16"] = {**KINDS["sft_lora"], "title": "SFT LoRA with bf16 weights, retrograd vs TRL SFTTrainer",
+                          "rows": [(m, "% of the bf16 matmul peak" if m == "machine_share" else label, d)
+                                   for m, label, d in KINDS["sft_lora"]["rows"]]}
 
 # the summary (top-level README): per benchmark, its headline comparisons
 # (label, kind, ours, theirs, metric, higher_is_better)
 HEADLINES = [
     ("SFT LoRA, tokens/s", "sft_lora", "retrograd", "trl", "tokens_per_s", True),
+    ("SFT LoRA bf16, tokens/s", "sft_lora_bf16", "retrograd", "trl", "tokens_per_s", True),
     ("SFT full fine-tune, tokens/s", "sft_full", "retrograd", "trl", "tokens_per_s", True),
     ("DPO LoRA, pairs/s per step", "dpo", "retrograd", "trl", "pairs_per_s", True),
     ("DPO LoRA, pairs/s end to end (1 epoch, reference included)", "dpo", "retrograd", "trl",

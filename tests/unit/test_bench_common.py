@@ -183,8 +183,15 @@ def test_summary_keeps_the_newest_result_of_each_cpu(tmp_path):
     del lone["summary"]["trl"]  # the row needs both sides
     lone["machine"]["flags"] = {"avx2": True}
     (tmp_path / "sft_lora_20261202_100000.json").write_text(json.dumps(lone))
-    rows = [x for x in report.render_kind("summary", tmp_path).splitlines() if x.startswith("| SFT LoRA")]
+    bf16 = synthetic_sft(300.0, 100.0)  # --dtype bfloat16's file: its own row, never an fp32 one
+    bf16["machine"]["flags"] = wide
+    (tmp_path / "sft_lora_bf16_20261203_000000.json").write_text(json.dumps(bf16))
+    summary = report.render_kind("summary", tmp_path).splitlines()
+    rows = [x for x in summary if x.startswith("| SFT LoRA, ")]
     assert len(rows) == 2
+    assert [x for x in summary if x.startswith("| SFT LoRA bf16, ")] == [
+        x for x in summary if "sft_lora_bf16_20261203_000000.json" in x and "| 300.0 | 100.0 | **3.00×** |" in x]
+    assert "% of the bf16 matmul peak" in report.render_kind("sft_lora_bf16", tmp_path)
     assert "| 150.0 |" in rows[0] and "AMD EPYC (AVX2), 180 GFLOP/s" in rows[0] and "20261202_090000" in rows[0]
     assert "| 220.0 |" in rows[1] and "AMD EPYC (AVX-512, bf16)" in rows[1] and "20261201_110000" in rows[1]
 
