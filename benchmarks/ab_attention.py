@@ -75,34 +75,23 @@ def main() -> None:
               "grpo": (layout.batch("grpo", 27, vocab), "eager"),
               "dpo": (layout.batch("dpo", 40, vocab), "sdpa")}
     sum_tol, grad_tol = TOLERANCES[args.dtype]
+
+    def check(where: str, a: tuple, b: tuple) -> tuple[float, float]:
+        """layout.check_same with this script's measures: the gradients' difference as a share of their norm."""
+        sums = float(((a[1] - b[1]).abs() / b[1].abs().clamp(min=1.0)).max())
+        grads = float(sum((g - b[2][n]).norm() ** 2 for n, g in a[2].items()) ** 0.5
+                      / max(1e-30, float(sum(g.norm() ** 2 for g in b[2].values()) ** 0.5)))
+        if sums > sum_tol or grads > grad_tol:
+            raise SystemExit(f"{where}: the sides differ: sums by {sums:.2e} (tolerance {sum_tol}), "
+                             f"gradients by {grads:.2e} of their norm (tolerance {grad_tol})")
+        return sums, grads
+
     results = {}
     for kind in args.only.split(","):
         data, attention = passes[kind]
         sides = {"matmul": side("matmul", attention), "before": side("before", attention)}
-        times, worst = {name: [] for name in sides}, [0.0, 0.0]
-        for i in range(args.repeats + 1):  # pair 0 is warm-up
-            done = {}
-            for name in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
-                sides[name]()
-                done[name] = layout.one_pass(model, scorer, data)
-                times[name].append(done[name][0])
-            a, b = done["matmul"], done["before"]
-            sums = float(((a[1] - b[1]).abs() / b[1].abs().clamp(min=1.0)).max())
-            grads = float(sum((g - b[2][n]).norm() ** 2 for n, g in a[2].items()) ** 0.5
-                          / max(1e-30, float(sum(g.norm() ** 2 for g in b[2].values()) ** 0.5)))
-            if sums > sum_tol or grads > grad_tol:
-                raise SystemExit(f"{kind}, pair {i}: the sides differ: sums by {sums:.2e} (tolerance {sum_tol}), "
-                                 f"gradients by {grads:.2e} (tolerance {grad_tol})")
-            worst = [max(worst[0], sums), max(worst[1], grads)]
-        summary = {name: common.stats(v[1:]) for name, v in times.items()}
-        ratio = summary["before"]["median"] / summary["matmul"]["median"]
-        won = sum(x < y for x, y in zip(times["matmul"][1:], times["before"][1:]))
-        medians = {name: round(s["median"], 3) for name, s in summary.items()}
-        print(f"{kind} ({attention}): matmul {medians['matmul']} s, before {medians['before']} s; "
-              f"before / matmul {ratio:.3f}; matmul faster in {won} of {args.repeats} pairs", flush=True)
-        results[kind] = {"attention_config": attention, "seconds": times, "summary": summary,
-                         "before_over_matmul": ratio, "matmul_faster_pairs": won,
-                         "largest_difference": {"sums": worst[0], "gradients": worst[1]}}
+        results[kind] = {"attention_config": attention,
+                         **layout.ab(model, scorer, data, sides, args.repeats, f"{kind} ({attention})", check)}
     PackedForward.matmul_attention_for, PackedForward.supported = matmul_for, supported
     path = common.write_result("ab_attention", {
         "machine": common.machine(peak), "setup": {"dtype": args.dtype, "smoke": args.smoke, "repeats": args.repeats},

@@ -106,8 +106,10 @@ def check_same(where: str, a: tuple, b: tuple) -> tuple[float, float]:
     return sums, grad
 
 
-def ab(model, scorer, data, sides: dict, repeats: int, label: str) -> dict:
-    """sides: name -> a function that sets the layout up. -> per side the seconds of each pass."""
+def ab(model, scorer, data, sides: dict, repeats: int, label: str, check=None) -> dict:
+    """sides: name -> a function that sets the layout up; check(where, a, b) -> (sums, gradients) differences,
+    stopping the script above its tolerances (default check_same). -> per side the seconds of each pass."""
+    check = check or check_same
     times = {name: [] for name in sides}
     worst = [0.0, 0.0]
     names = list(sides)
@@ -118,7 +120,7 @@ def ab(model, scorer, data, sides: dict, repeats: int, label: str) -> dict:
             sides[name]()
             done[name] = one_pass(model, scorer, data)
             times[name].append(done[name][0])
-        worst = [max(w, d) for w, d in zip(worst, check_same(f"{label}, pair {i}", *done.values()))]
+        worst = [max(w, d) for w, d in zip(worst, check(f"{label}, pair {i}", *done.values()))]
     summary = {name: common.stats(v[1:]) for name, v in times.items()}
     a, b = names
     ratio = summary[b]["median"] / summary[a]["median"]

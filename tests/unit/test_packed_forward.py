@@ -33,6 +33,19 @@ def assert_close_grads(got: dict, want: dict) -> None:
         assert (got[name] - want[name]).norm() <= 1e-5 * want[name].norm() + 1e-9, name
 
 
+def assert_packed_logprobs_equal_plain(model, packed_scorer: Scorer, batch: dict) -> None:
+    """token_logprobs of `batch` and the LoRA gradients of a random weighting of them: packed_scorer against
+    the same model through transformers' forward."""
+    coef = torch.randn(batch["input_ids"].shape[0], 4)
+    want = plain(Scorer(model)).token_logprobs(batch, 4)
+    (want * coef).sum().backward()
+    want_grads = grads(model)
+    got = packed_scorer.token_logprobs(batch, 4)
+    (got * coef).sum().backward()
+    assert torch.allclose(got, want, atol=1e-6)
+    assert_close_grads(grads(model), want_grads)
+
+
 def test_layout_helpers_by_hand():
     real = torch.tensor([[True, True, False], [True, False, False]])
     slots = grid_slots(real)
@@ -52,14 +65,7 @@ def test_right_padded_rows_run_packed_with_the_plain_values_and_gradients(tiny_m
     seqs = [([5, 6, 7, 8, 9], [10, 11, 12]), ([20, 21], [22]), ([30] * 9, [31, 32, 33, 34])]
     batch = collate(seqs, pad)
     assert batch["attention_mask"] is not None  # rows of different lengths: padded
-    coef = torch.randn(3, 4)
-    want = reference.token_logprobs(batch, 4)
-    (want * coef).sum().backward()
-    want_grads = grads(model)
-    got = packed_scorer.token_logprobs(batch, 4)
-    (got * coef).sum().backward()
-    assert torch.allclose(got, want, atol=1e-6)
-    assert_close_grads(grads(model), want_grads)
+    assert_packed_logprobs_equal_plain(model, packed_scorer, batch)
     # the hidden states of real positions are transformers' own; padding reads 0
     with torch.no_grad():
         h = packed_scorer.hidden(batch)
@@ -97,14 +103,7 @@ def test_packing_steps_aside_for_checkpointing_and_runs_eager_models_with_matmul
     model.config._attn_implementation = "eager"
     assert scorer.packs and scorer.packer.matmul_attention_for(4096)
     batch = collate([([5, 6, 7, 8, 9], [10, 11, 12]), ([20, 21], [22])], loaded.tokenizer.pad_token_id)
-    coef = torch.randn(2, 4)
-    want = plain(Scorer(model)).token_logprobs(batch, 4)
-    (want * coef).sum().backward()
-    want_grads = grads(model)
-    got = scorer.token_logprobs(batch, 4)
-    (got * coef).sum().backward()
-    assert torch.allclose(got, want, atol=1e-6)
-    assert_close_grads(grads(model), want_grads)
+    assert_packed_logprobs_equal_plain(model, scorer, batch)
     model.config._attn_implementation = "sdpa"
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()

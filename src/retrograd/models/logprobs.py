@@ -108,8 +108,7 @@ class Scorer:
             if real is not None:
                 h, slots, _ = self.packer.run(ids, columns.expand(rows, -1), real)
                 return scatter_rows(h, slots, rows, width)
-        return self.decoder(input_ids=batch["input_ids"], attention_mask=attention,
-                            use_cache=False).last_hidden_state  # [B, T, H]
+        return self.decoder(input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state  # [B, T, H]
 
     def logits(self, batch: dict) -> torch.Tensor:
         return self.base(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
