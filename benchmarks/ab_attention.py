@@ -40,6 +40,20 @@ import common  # noqa: E402
 TOLERANCES = {"bfloat16": (1e-2, 0.1), "float32": (1e-4, 1e-4)}  # (sums, gradients), relative
 
 
+def relative_check(sum_tol: float, grad_tol: float):
+    """A pair check for layout.ab: the sums' largest relative difference, and the gradients' difference as a
+    share of their norm (all LoRA tensors together); stops the script above the tolerances."""
+    def check(where: str, a: tuple, b: tuple) -> tuple[float, float]:
+        sums = float(((a[1] - b[1]).abs() / b[1].abs().clamp(min=1.0)).max())
+        grads = float(sum((g - b[2][n]).norm() ** 2 for n, g in a[2].items()) ** 0.5
+                      / max(1e-30, float(sum(g.norm() ** 2 for g in b[2].values()) ** 0.5)))
+        if sums > sum_tol or grads > grad_tol:
+            raise SystemExit(f"{where}: the sides differ: sums by {sums:.2e} (tolerance {sum_tol}), "
+                             f"gradients by {grads:.2e} of their norm (tolerance {grad_tol})")
+        return sums, grads
+    return check
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=6, help="timed pairs per pass kind (default 6)")
@@ -74,17 +88,7 @@ def main() -> None:
     passes = {"sft": ({"input_ids": ids, "attention_mask": None, "labels": ids.clone()}, "sdpa"),
               "grpo": (layout.batch("grpo", 27, vocab), "eager"),
               "dpo": (layout.batch("dpo", 40, vocab), "sdpa")}
-    sum_tol, grad_tol = TOLERANCES[args.dtype]
-
-    def check(where: str, a: tuple, b: tuple) -> tuple[float, float]:
-        """layout.check_same with this script's measures: the gradients' difference as a share of their norm."""
-        sums = float(((a[1] - b[1]).abs() / b[1].abs().clamp(min=1.0)).max())
-        grads = float(sum((g - b[2][n]).norm() ** 2 for n, g in a[2].items()) ** 0.5
-                      / max(1e-30, float(sum(g.norm() ** 2 for g in b[2].values()) ** 0.5)))
-        if sums > sum_tol or grads > grad_tol:
-            raise SystemExit(f"{where}: the sides differ: sums by {sums:.2e} (tolerance {sum_tol}), "
-                             f"gradients by {grads:.2e} of their norm (tolerance {grad_tol})")
-        return sums, grads
+    check = relative_check(*TOLERANCES[args.dtype])
 
     results = {}
     for kind in args.only.split(","):

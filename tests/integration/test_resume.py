@@ -172,3 +172,24 @@ def test_full_fine_tune_resume_is_bit_exact(tmp_path, tiny_model, cli):
     wb = load_file(b / "out" / "adapter" / "model.safetensors")
     assert_bit_identical(wa, wb)
     assert losses(a / "runs" / "run") == losses(b / "runs" / "run")
+
+
+def test_bf16_weights_resume_is_bit_exact_through_the_mixed_lora_node(tmp_path, tiny_model, cli):
+    """bf16 base weights with float32 LoRA (and LoRA dropout on) train through models/mixed_lora.py's node;
+    a killed run resumes onto the same weights and losses as the straight one."""
+    extra = EXTRA + '[model]\ndtype = "bfloat16"\n'
+    straight_dir = tmp_path / "a"
+    straight_dir.mkdir()
+    cli.cwd = straight_dir
+    cli("train", write_run(straight_dir, tiny_model, extra, steps=STEPS), check=0)
+    d = tmp_path / "b"
+    d.mkdir()
+    cfg = write_run(d, tiny_model, extra, steps=STEPS)
+    cli.cwd = d
+    killed = cli("train", cfg, env={"RETROGRAD_TEST_CRASH_IN_SAVE": "step-000000000010.state"})
+    assert killed.returncode == -signal.SIGKILL
+    cli("train", cfg, "--resume", check=0)
+    assert_bit_identical(weights(straight_dir / "out" / "adapter"), weights(d / "out" / "adapter"))
+    assert losses(straight_dir / "runs" / "run") == losses(d / "runs" / "run")
+    straight_losses = [loss for _, loss, _ in losses(straight_dir / "runs" / "run") if loss is not None]
+    assert len(straight_losses) == STEPS and straight_losses[-1] < straight_losses[0]  # it trained

@@ -57,8 +57,11 @@ def resolve_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
 
 
 def attach_lora(model: torch.nn.Module, rank: int, alpha: float, targets: list[str], dropout: float, seed: int):
-    """Wrap `model` with a PEFT LoRA adapter initialised from `seed` (A random, B zero)."""
+    """Wrap `model` with a PEFT LoRA adapter initialised from `seed` (A random, B zero). On bf16 / fp16
+    weights its layers compute in that dtype (models/mixed_lora.py); on float32 they are PEFT's own."""
     from peft import LoraConfig, get_peft_model
+
+    from retrograd.models.mixed_lora import mixed_lora
     modules = resolve_targets(model, targets)
     cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=modules, lora_dropout=dropout, bias="none",
                      task_type="CAUSAL_LM")
@@ -66,6 +69,7 @@ def attach_lora(model: torch.nn.Module, rank: int, alpha: float, targets: list[s
     torch.manual_seed(seed)
     peft_model = get_peft_model(model, cfg)
     torch.random.set_rng_state(state)  # the init seed must not shift the training RNG stream
+    mixed_lora(peft_model)
     return peft_model, modules
 
 
