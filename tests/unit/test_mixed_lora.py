@@ -95,7 +95,8 @@ def test_bf16_layers_take_the_node_and_match_float64(bias):
     outs = []
     for layer, (a, b) in zip(layers, params):
         bias64 = None if layer.base_layer.bias is None else layer.base_layer.bias.double()
-        outs.append(F.linear(x64, layer.base_layer.weight.double(), bias64) + layer.scaling["default"] * (x64 @ a.t()) @ b.t())
+        lora = layer.scaling["default"] * (x64 @ a.t()) @ b.t()
+        outs.append(F.linear(x64, layer.base_layer.weight.double(), bias64) + lora)
     want = torch.cat(outs, -1)
     want.backward(grad.double())
     assert _rel(out, want) < 1e-2
