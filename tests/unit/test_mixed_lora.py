@@ -217,3 +217,61 @@ def test_falls_back_where_it_does_not_reproduce_peft():
     assert not takes_node(layer)  # merged: the base layer holds the adapter
     assert torch.allclose(layer(x).float(), _reference64(_adapted(torch.bfloat16).base_model.model.q_proj,
                                                          x.double()).float(), rtol=0.05, atol=0.05)
+
+
+def test_the_output_can_be_edited_in_place():
+    """Some models edit a projection's output in place (OLMo's clip_qkv clamps q/k/v): the node's output is
+    no view, so that works and backward still runs."""
+    model = _adapted(torch.bfloat16)
+    layer = model.base_model.model.q_proj
+    x = torch.randn(2, 5, 24).to(torch.bfloat16).requires_grad_()
+    out = layer(x)
+    assert "MixedLoRALinear" in type(out.grad_fn).__name__
+    out.clamp_(-0.1, 0.1)
+    out.sum().backward()
+    assert x.grad is not None and layer.lora_B["default"].weight.grad.abs().sum() > 0
+
+
+def test_fp16_dora_lora_bias_and_two_adapters_keep_pefts_forward():
+    from peft import LoraConfig, get_peft_model
+
+    def adapted(dtype=torch.bfloat16, **options):
+        torch.manual_seed(0)
+        model = get_peft_model(Projections().to(dtype), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                                                   **options))
+        mixed_lora.mixed_lora(model)
+        return model, model.base_model.model.q_proj
+
+    def node(layer, dtype=torch.bfloat16):
+        return "MixedLoRALinear" in type(layer(torch.randn(2, 3, 24).to(dtype).requires_grad_()).grad_fn).__name__
+
+    assert node(adapted()[1])  # the plain case, as a control
+    assert not node(adapted(torch.float16)[1], torch.float16)  # fp16: g B would underflow in the node
+    assert not node(adapted(use_dora=True)[1])
+    assert not node(adapted(lora_bias=True)[1])
+    model, layer = adapted()
+    model.add_adapter("second", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    model.base_model.set_adapter(["default", "second"])
+    assert not node(layer)
+
+
+def test_the_training_setup_takes_the_node_for_bf16_weights(tmp_path, monkeypatch):
+    """prepare_model (what `retrograd train` runs) gives a bf16 model's LoRA layers the node, dropout on."""
+    from tiny import make_model_dir, write_run
+
+    from retrograd.config import load_config
+    from retrograd.train.setup import prepare_model
+    make_model_dir(tmp_path / "m")
+    cfg = load_config(write_run(tmp_path, tmp_path / "m", '[model]\ndtype = "bfloat16"\n[lora]\ndropout = 0.1\n'))
+    _, _, model, _ = prepare_model(cfg, lambda *a: None)
+    taken, fast_path_args = [], mixed_lora._fast_path_args
+
+    def counting(*a):
+        found = fast_path_args(*a)
+        taken.append(found is not None)
+        return found
+    monkeypatch.setattr(mixed_lora, "_fast_path_args", counting)
+    model.train()
+    ids = torch.randint(0, 50, (2, 10))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert taken and all(taken)  # every adapted layer of every block

@@ -1,4 +1,4 @@
-"""LoRA on bf16 (or fp16) weights as one autograd node that computes in the weights' dtype.
+"""LoRA on bf16 weights as one autograd node that computes in the weights' dtype.
 
 With `[model] dtype = "bfloat16"` the base weights are bf16 and the LoRA weights stay float32 (the
 optimizer updates them in float32). PEFT's `lora.Linear.forward` then casts every input to float32, runs
@@ -11,21 +11,27 @@ each, though they share one input). On SmolLM2 with r=8 on q/k/v/o that was 12 %
 `_MixedLoRALinear` computes y = x W^T + s (x A^T) B^T with A and B cast to the input's dtype (r x features,
 negligible) and the rank-r product added into the base output in place (one addmm). Backward gives the
 input gradient g W + s (g B) A the same way and the LoRA gradients s (g B)^T x and s g^T (x A^T) from
-bf16 products (accumulated in float32 inside the kernel, rounded once to bf16, then float32 for the
-optimizer), and it keeps only the bf16 input (shared by q, k and v) and the [tokens, r] product. This is
-the arithmetic torch.autocast would do for these layers. On one such layer against PEFT's float32 LoRA path
-the output differed by 0.09 % and the gradients by 0.1-0.3 % of their norm. On a whole bf16 SFT pass of
-SmolLM2 the LoRA gradients of either path differ from the float32 model's by about 4 % of their norm (this
-node's 3.98 %, PEFT's 4.20 %): bf16 activations dominate, and this node adds nothing measurable to them.
-Measured in-process against PEFT's path (benchmarks/ab_mixed_lora.py, same CPU): that SFT pass 18.3 %
-faster, a GRPO training pass 6.6 %, a DPO step 3.7 %; bench_sft.py --dtype bfloat16's peak RSS fell from
-1482 to 1230-1243 MB. In a float32 model the same node saved nothing (0.97x), hence the mixed case only.
+bf16 products (accumulated in float32 inside the kernel and rounded to bf16 - lora_A's twice, through
+g B - then float32 for the optimizer), and it keeps only the bf16 input (shared by q, k and v) and the
+[tokens, r] product. This is the arithmetic torch.autocast would do for these layers. In ad-hoc checks (not
+committed): on one such layer against PEFT's float32 LoRA path the output differed by 0.09 % and the
+gradients by 0.1-0.3 % of their norm; on a whole bf16 SFT pass of SmolLM2 the LoRA gradients of either path
+differed from the float32 model's by about 4 % of their norm (this node's 3.98 %, PEFT's 4.20 %): bf16
+activations dominate. Measured in-process against PEFT's path (benchmarks/ab_mixed_lora.py): that SFT pass
+took 15.5 % less time (medians, 7 of 8 pairs faster); a GRPO training pass and a DPO step were inside the
+host's noise (4 of 8 pairs each). bench_sft.py --dtype bfloat16's peak RSS fell from 1482 to 1230-1243 MB
+(separate runs). In a float32 model the same node saved nothing (0.97x), hence the mixed case only.
 
-Only that mixed case is taken: same-dtype models (float32) keep PEFT's forward bit for bit. The fast path
-also stands aside, per call, for everything it does not reproduce: adapters disabled or merged, more than
-one active adapter, per-row adapter names, DoRA and other variants, a LoRA bias, a trained base weight, and
-sharded (DTensor) parameters; those calls run PEFT's own forward. LoRA dropout is kept: the node takes
-dropout(x) for the rank-r branch, drawn by the same module call as PEFT's.
+Only bf16 weights with float32 adapters take it: float32 models keep PEFT's forward bit for bit, and so do
+fp16 ones (there g B underflows while B is small, early in training, where PEFT's float32 path does not).
+The fast path also stands aside, per call, for everything it does not reproduce: adapters disabled or
+merged, more than one active adapter, per-row adapter names, DoRA and other variants, a LoRA bias,
+fan_in_fan_out, a trained base weight, in-place dropout, and DTensor parameters; those calls run PEFT's own
+forward. Under FSDP2 a forward sees the gathered parameters as plain tensors, so the node runs there too
+(bf16 weights without mixed_precision; with mixed_precision = "bf16" the adapters are bf16 and PEFT's
+forward runs). Hooks registered on base_layer, lora_A or lora_B do not fire on the fast path (retrograd
+registers none). LoRA dropout is kept: the node takes dropout(x) for the rank-r branch, drawn by the same
+module call as PEFT's.
 """
 from __future__ import annotations
 
@@ -45,10 +51,11 @@ class _MixedLoRALinear(torch.autograd.Function):
         rows = x.reshape(-1, x.shape[-1])
         lora_rows = rows if dropped is None else dropped.reshape(-1, x.shape[-1])
         down = lora_rows @ a.t()  # [N, r]
-        out = F.linear(rows, weight, bias).addmm_(down, b.t(), alpha=scaling)
+        out = F.linear(x, weight, bias)  # returned as it is, not as a view: callers may edit it in place
+        out.view(-1, out.shape[-1]).addmm_(down, b.t(), alpha=scaling)
         ctx.save_for_backward(lora_rows, down, weight, a, b)
         ctx.scaling, ctx.dtypes, ctx.shared = scaling, (lora_a.dtype, lora_b.dtype), dropped is None
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -78,7 +85,7 @@ def _plain_tensor(t: torch.Tensor | None) -> bool:
 def _fast_path_args(module, x: torch.Tensor, args: tuple, kwargs: dict):
     """(dropout, weight, bias, lora_a, lora_b, scaling) when this call is plain LoRA on a mixed-dtype layer,
     else None."""
-    if args or kwargs or module.disable_adapters or module.merged or getattr(module, "lora_variant", None):
+    if args or kwargs or module.disable_adapters or module.merged or module.lora_variant:
         return None
     active = [n for n in module.active_adapters if n in module.lora_A]
     if len(active) != 1:
@@ -89,10 +96,13 @@ def _fast_path_args(module, x: torch.Tensor, args: tuple, kwargs: dict):
             or (base.bias is not None and base.bias.requires_grad):
         return None
     dropout = module.lora_dropout[name]
-    if type(dropout) not in (torch.nn.Identity, torch.nn.Dropout):
+    if module.use_dora.get(name) or getattr(module, "fan_in_fan_out", False) \
+            or type(dropout) not in (torch.nn.Identity, torch.nn.Dropout) or getattr(dropout, "inplace", False):
         return None
     weight, bias, a, b = base.weight, base.bias, lora_a.weight, lora_b.weight
-    if not (x.dtype == weight.dtype != a.dtype and a.dtype == b.dtype and x.dtype in (torch.bfloat16, torch.float16)):
+    # bf16 only: in fp16 the [tokens, r] gradient g B underflows while B is small (early training), which
+    # PEFT's float32 path avoids; fp16 models keep PEFT's forward
+    if not (x.dtype == weight.dtype == torch.bfloat16 and a.dtype == b.dtype == torch.float32):
         return None
     if not all(_plain_tensor(t) for t in (x, weight, bias, a, b)):
         return None
