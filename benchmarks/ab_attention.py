@@ -40,6 +40,18 @@ import common  # noqa: E402
 TOLERANCES = {"bfloat16": (1e-2, 0.1), "float32": (1e-4, 1e-4)}  # (sums, gradients), relative
 
 
+def benchmark_passes(vocab: int, smoke: bool) -> dict:
+    """kind -> (the pass's data for layout.one_pass, the attention setting it runs under): bench_sft.py's SFT
+    pass, bench_grpo.py's update under eager (as device.attention_for_length sets short bf16 RL passes),
+    bench_dpo.py's step."""
+    import torch
+    torch.manual_seed(layout.SEED)
+    ids = torch.randint(100, vocab, (2, 16 if smoke else 256))
+    return {"sft": ({"input_ids": ids, "attention_mask": None, "labels": ids.clone()}, "sdpa"),
+            "grpo": (layout.batch("grpo", 27, vocab), "eager"),
+            "dpo": (layout.batch("dpo", 40, vocab), "sdpa")}
+
+
 def relative_check(sum_tol: float, grad_tol: float):
     """A pair check for layout.ab: the sums' largest relative difference, and the gradients' difference as a
     share of their norm (all LoRA tensors together); stops the script above the tolerances."""
@@ -83,11 +95,7 @@ def main() -> None:
                 PackedForward.supported = lambda self: supported(self) and cfg._attn_implementation == "sdpa"
         return setup
 
-    torch.manual_seed(layout.SEED)
-    ids = torch.randint(100, vocab, (2, 16 if args.smoke else 256))
-    passes = {"sft": ({"input_ids": ids, "attention_mask": None, "labels": ids.clone()}, "sdpa"),
-              "grpo": (layout.batch("grpo", 27, vocab), "eager"),
-              "dpo": (layout.batch("dpo", 40, vocab), "sdpa")}
+    passes = benchmark_passes(vocab, args.smoke)
     check = relative_check(*TOLERANCES[args.dtype])
 
     results = {}

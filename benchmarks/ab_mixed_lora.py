@@ -70,11 +70,7 @@ def main() -> None:
             mixed_lora._fast_path_args = counting if name == "mixed" else (lambda *a: None)
         return setup
 
-    torch.manual_seed(layout.SEED)
-    ids = torch.randint(100, vocab, (2, 16 if args.smoke else 256))
-    passes = {"sft": ({"input_ids": ids, "attention_mask": None, "labels": ids.clone()}, "sdpa"),
-              "grpo": (layout.batch("grpo", 27, vocab), "eager"),
-              "dpo": (layout.batch("dpo", 40, vocab), "sdpa")}
+    passes = ab_attention.benchmark_passes(vocab, args.smoke)
     results = {}
     for kind in args.only.split(","):
         data, attention = passes[kind]
