@@ -219,6 +219,31 @@ def test_falls_back_where_it_does_not_reproduce_peft():
                                                          x.double()).float(), rtol=0.05, atol=0.05)
 
 
+def test_hooks_on_the_sublayers_fire_because_pefts_forward_runs():
+    """The node never calls base_layer, lora_A or lora_B: with a hook on one of them (a user's activation
+    probe) or a global module hook, the call runs PEFT's forward, so the hook sees what it expects."""
+    x = torch.randn(2, 5, 24).to(torch.bfloat16)
+    model = _adapted(torch.bfloat16)
+    layer = model.base_model.model.q_proj
+
+    def node():
+        return "MixedLoRALinear" in type(layer(x.clone().requires_grad_()).grad_fn).__name__
+
+    for sublayer in (layer.base_layer, layer.lora_A["default"], layer.lora_B["default"]):
+        seen = []
+        handle = sublayer.register_forward_hook(lambda module, inputs, output: seen.append(output.shape))
+        assert not node() and len(seen) == 1
+        handle.remove()
+        assert node() and len(seen) == 1  # removed: the node again, and the hook no longer runs
+    seen = []
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: seen.append(type(m).__name__))
+    try:
+        assert not node() and "Linear" in seen
+    finally:
+        handle.remove()
+    assert node()
+
+
 def test_the_output_can_be_edited_in_place():
     """Some models edit a projection's output in place (OLMo's clip_qkv clamps q/k/v): the node's output is
     no view, so that works and backward still runs."""

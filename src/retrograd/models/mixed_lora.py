@@ -26,11 +26,11 @@ Only bf16 weights with float32 adapters take it: float32 models keep PEFT's forw
 fp16 ones (there g B underflows while B is small, early in training, where PEFT's float32 path does not).
 The fast path also stands aside, per call, for everything it does not reproduce: adapters disabled or
 merged, more than one active adapter, per-row adapter names, DoRA and other variants, a LoRA bias,
-fan_in_fan_out, a trained base weight, in-place dropout, and DTensor parameters; those calls run PEFT's own
+fan_in_fan_out, a trained base weight, in-place dropout, DTensor parameters, and hooks on base_layer,
+lora_A or lora_B (or global module hooks), which the node would never fire; those calls run PEFT's own
 forward. Under FSDP2 a forward sees the gathered parameters as plain tensors, so the node runs there too
 (bf16 weights without mixed_precision; with mixed_precision = "bf16" the adapters are bf16 and PEFT's
-forward runs). Hooks registered on base_layer, lora_A or lora_B do not fire on the fast path (retrograd
-registers none). LoRA dropout is kept: the node takes dropout(x) for the rank-r branch, drawn by the same
+forward runs). LoRA dropout is kept: the node takes dropout(x) for the rank-r branch, drawn by the same
 module call as PEFT's.
 """
 from __future__ import annotations
@@ -99,6 +99,8 @@ def _fast_path_args(module, x: torch.Tensor, args: tuple, kwargs: dict):
     if module.use_dora.get(name) or getattr(module, "fan_in_fan_out", False) \
             or type(dropout) not in (torch.nn.Identity, torch.nn.Dropout) or getattr(dropout, "inplace", False):
         return None
+    if _hooked(base, lora_a, lora_b):
+        return None
     weight, bias, a, b = base.weight, base.bias, lora_a.weight, lora_b.weight
     # bf16 only: in fp16 the [tokens, r] gradient g B underflows while B is small (early training), which
     # PEFT's float32 path avoids; fp16 models keep PEFT's forward
@@ -107,6 +109,20 @@ def _fast_path_args(module, x: torch.Tensor, args: tuple, kwargs: dict):
     if not all(_plain_tensor(t) for t in (x, weight, bias, a, b)):
         return None
     return dropout, weight, bias, a, b, float(module.scaling[name])
+
+
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+
+
+def _hooked(*modules: torch.nn.Module) -> bool:
+    """Whether a hook would see one of these sublayers called: the node never calls them, so a hook on them
+    (a user's activation probe, a profiler, an offloading library) or a global module hook runs PEFT's path."""
+    import torch.nn.modules.module as module_globals
+    if any(getattr(module_globals, name, None) for name in _GLOBAL_HOOKS):
+        return True
+    return any(getattr(m, name, None) for m in modules for name in _MODULE_HOOKS)
 
 
 def _mixed_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
