@@ -193,3 +193,37 @@ def test_bf16_weights_resume_is_bit_exact_through_the_mixed_lora_node(tmp_path, 
     assert losses(straight_dir / "runs" / "run") == losses(d / "runs" / "run")
     straight_losses = [loss for _, loss, _ in losses(straight_dir / "runs" / "run") if loss is not None]
     assert len(straight_losses) == STEPS and straight_losses[-1] < straight_losses[0]  # it trained
+
+
+def test_compiled_training_passes_resume_bit_exact_and_train_as_eager(tmp_path, tiny_model, cli):
+    """[training] compile: without LoRA dropout a compiled run's losses are the eager run's up to summation
+    order (with it the masks differ: inductor draws them from its own random stream); with dropout on, a
+    killed compiled run resumes onto the straight compiled run's weights and losses bit for bit."""
+    extra = EXTRA.replace("threads = 2\n", "threads = 2\ncompile = true\n")
+
+    def train(name, text, dropout=True):
+        folder = tmp_path / name
+        folder.mkdir()
+        cfg = write_run(folder, tiny_model, text, steps=STEPS)
+        if not dropout:
+            cfg.write_text(cfg.read_text().replace("dropout = 0.1", "dropout = 0.0"))
+        cli.cwd = folder
+        return cfg, cli("train", cfg, check=0)
+
+    curves = {}
+    for name, text in (("eager", EXTRA), ("compiled", extra)):
+        _, out = train(name, text, dropout=False)
+        curves[name] = [loss for _, loss, _ in losses(tmp_path / name / "runs" / "run") if loss is not None]
+    assert "training.compile: the first training pass compiles" in out.stdout + out.stderr
+    assert len(curves["compiled"]) == STEPS and curves["compiled"][-1] < curves["compiled"][0]  # it trained
+    assert curves["compiled"] == pytest.approx(curves["eager"], rel=1e-5)
+    train("straight", extra)
+    d = tmp_path / "resumed"
+    d.mkdir()
+    cfg = write_run(d, tiny_model, extra, steps=STEPS)
+    cli.cwd = d
+    killed = cli("train", cfg, env={"RETROGRAD_TEST_CRASH_IN_SAVE": "step-000000000005.state"})
+    assert killed.returncode == -signal.SIGKILL
+    cli("train", cfg, "--resume", check=0)
+    assert_bit_identical(weights(tmp_path / "straight" / "out" / "adapter"), weights(d / "out" / "adapter"))
+    assert losses(tmp_path / "straight" / "runs" / "run") == losses(d / "runs" / "run")

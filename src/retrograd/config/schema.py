@@ -100,6 +100,8 @@ class TrainingTable:
     threads: Optional[int] = opt(None, min=1, trajectory=False, help="torch CPU threads (default: all cores)")
     gradient_checkpointing: bool = opt(False, trajectory=False,
                                        help="recompute activations in backward to save memory")
+    compile: bool = opt(False, help="run training passes through torch.compile (Llama-family models): faster "
+                                    "passes after a first one that compiles for 1-3 minutes; off for short runs")
 
 
 @dataclass(frozen=True)

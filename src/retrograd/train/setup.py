@@ -35,6 +35,7 @@ from retrograd.models.adapter_io import adapter_layout, apply_adapter, read_spec
 from retrograd.models.architectures import ARCHS as GGUF_ARCHS
 from retrograd.models.lean_mlp import lean_mlp
 from retrograd.models.load import load_model
+from retrograd.models.packed import PackedForward, compile_training_passes
 from retrograd.models.lora import attach_lora
 from retrograd.train import checkpointing as io
 from retrograd.train.common import prepare_run_dir, rng_state, save_output, seed_everything
@@ -227,12 +228,33 @@ def start_run(cfg, log, cpu_pass_tokens: int = 512) -> Run:
         dist.shard_model(model.train(), device, cfg.distributed.mixed_precision)
     else:
         model.to(device).train()
+    if tr.compile:
+        compile_passes(model, tr, sharded, log)
     params = [p for p in model.parameters() if p.requires_grad]
     n_train, n_all = sum(p.numel() for p in params), sum(p.numel() for p in model.parameters())
     log(f"model {loaded.source}: {n_all:,} parameters, {n_train:,} trainable ({tr.trainable})")
     pass_tokens = tr.micro_batch or (cpu_pass_tokens if device.type == "cpu" else None)
     return Run(cfg, model, loaded.tokenizer, device, loaded, params, build_optimizer(params, tr), modules,
                pass_tokens, log, gguf_copies, world=world)
+
+
+def compile_passes(model, tr, sharded: bool, log) -> bool:
+    """[training] compile: the training passes' packed forward through torch.compile, where the packed
+    forward runs (models/packed.py); else a note saying why the passes stay eager. True when compiled."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = getattr(base, base.base_model_prefix)
+    why = ("fsdp2 shards the model, and sharded passes run the model's own forward" if sharded
+           else "training.gradient_checkpointing recomputes through the model's own forward"
+           if tr.gradient_checkpointing else None)
+    if why is None and not PackedForward(decoder).shaped:
+        why = f"only Llama-family models run the packed forward, not {base.config.model_type!r}"
+    if why:
+        log(f"warning: training.compile is ignored: {why}; training passes run eager")
+        return False
+    compile_training_passes(decoder)
+    log("training.compile: the first training pass compiles the model (1-3 minutes on a CPU); "
+        "later passes reuse it")
+    return True
 
 
 def sampling_dtypes(cfg) -> list[tuple[str, str]]:
