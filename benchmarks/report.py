@@ -68,12 +68,21 @@ KINDS["sft_full"] = {**KINDS["sft_lora"], "title": "SFT full fine-tune, retrogra
 KINDS["sft_lora_bf16"] = {**KINDS["sft_lora"], "title": "SFT LoRA with bf16 weights, retrograd vs TRL SFTTrainer",
                           "rows": [(m, "% of the bf16 matmul peak" if m == "machine_share" else label, d)
                                    for m, label, d in KINDS["sft_lora"]["rows"]]}
+KINDS["sft_lora_compile"] = {**KINDS["sft_lora"],
+                             "title": "SFT LoRA, both sides torch.compile'd, retrograd vs TRL SFTTrainer",
+                             "sides": [("retrograd", "retrograd, compile"), ("trl", "TRL, torch_compile"),
+                                       ("retrograd_eager", "retrograd, eager")],
+                             "pairs": [("retrograd", "trl"), ("retrograd", "retrograd_eager")]}
+KINDS["sft_lora_bf16_compile"] = {**KINDS["sft_lora_compile"], "rows": KINDS["sft_lora_bf16"]["rows"],
+                                  "title": "SFT LoRA with bf16 weights, both sides torch.compile'd, retrograd vs TRL"}
 
 # the summary (top-level README): per benchmark, its headline comparisons
 # (label, kind, ours, theirs, metric, higher_is_better)
 HEADLINES = [
     ("SFT LoRA, tokens/s", "sft_lora", "retrograd", "trl", "tokens_per_s", True),
     ("SFT LoRA bf16, tokens/s", "sft_lora_bf16", "retrograd", "trl", "tokens_per_s", True),
+    ("SFT LoRA, both compiled, tokens/s", "sft_lora_compile", "retrograd", "trl", "tokens_per_s", True),
+    ("SFT LoRA bf16, both compiled, tokens/s", "sft_lora_bf16_compile", "retrograd", "trl", "tokens_per_s", True),
     ("SFT full fine-tune, tokens/s", "sft_full", "retrograd", "trl", "tokens_per_s", True),
     ("DPO LoRA, pairs/s per step", "dpo", "retrograd", "trl", "pairs_per_s", True),
     ("DPO LoRA, pairs/s end to end (1 epoch, reference included)", "dpo", "retrograd", "trl",

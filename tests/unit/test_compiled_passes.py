@@ -77,6 +77,9 @@ def test_compiled_training_pass_has_the_eager_values_and_gradients(tmp_path, dty
     with torch.no_grad():  # scoring without autograd runs eager: nothing more is compiled or called
         scorer.loss_sum(batch)
     assert calls == [True]
+    unpadded = {"input_ids": batch["input_ids"], "attention_mask": None, "labels": batch["input_ids"]}
+    _pass(model, scorer, unpadded)  # rows without padding run the compiled layers too (in float32 they would
+    assert calls == [True, True]    # otherwise take transformers' forward)
 
 
 def test_compile_passes_says_why_it_does_not_apply(tmp_path):

@@ -93,14 +93,15 @@ class Scorer:
     # ---- the two forwards ------------------------------------------------------------------------
     def hidden(self, batch: dict) -> torch.Tensor:
         """[B, T, H] final hidden states; right-padded rows run packed (zeros at padding), where they can, and
-        so do unpadded ones where the packed forward's own attention is the faster one (bf16 on a CPU)."""
+        so do unpadded ones where the packed forward's own attention is the faster one (bf16 on a CPU) or
+        where it is compiled ([training] compile, in a pass with autograd)."""
         ids, attention = batch["input_ids"], batch["attention_mask"]
         if self.packs:
             rows, width = ids.shape
             columns = torch.arange(width, device=ids.device)
             if attention is None:
                 real = torch.ones(rows, width, dtype=torch.bool, device=ids.device) \
-                    if self.packer.matmul_attention_for(width) else None
+                    if self.packer.matmul_attention_for(width) or self.packer.compiled() else None
             else:
                 real = attention.bool()
                 if not torch.equal(real, columns[None] < real.sum(1, keepdim=True)):

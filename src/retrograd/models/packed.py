@@ -85,6 +85,10 @@ class PackedForward:
         weight = self.decoder.embed_tokens.weight
         return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and keys <= MATMUL_ATTENTION_MAX_KEYS
 
+    def compiled(self) -> bool:
+        """A pass now runs the compiled layers (compile_training_passes, and autograd on)."""
+        return torch.is_grad_enabled() and self.decoder in _COMPILED
+
     def run(self, ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor, mask: torch.Tensor | None = None,
             past: list | None = None, keep_kv: bool = False):
         slots = grid_slots(real)  # data-dependent size: always eager, outside any compiled graph
