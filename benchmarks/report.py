@@ -81,8 +81,8 @@ KINDS["sft_lora_bf16_compile"] = {**KINDS["sft_lora_compile"], "rows": KINDS["sf
 HEADLINES = [
     ("SFT LoRA, tokens/s", "sft_lora", "retrograd", "trl", "tokens_per_s", True),
     ("SFT LoRA bf16, tokens/s", "sft_lora_bf16", "retrograd", "trl", "tokens_per_s", True),
-    ("SFT LoRA, both compiled, tokens/s", "sft_lora_compile", "retrograd", "trl", "tokens_per_s", True),
-    ("SFT LoRA bf16, both compiled, tokens/s", "sft_lora_bf16_compile", "retrograd", "trl", "tokens_per_s", True),
+    ("SFT LoRA compiled (both sides), tokens/s", "sft_lora_compile", "retrograd", "trl", "tokens_per_s", True),
+    ("SFT LoRA bf16 compiled (both sides), tokens/s", "sft_lora_bf16_compile", "retrograd", "trl", "tokens_per_s", True),
     ("SFT full fine-tune, tokens/s", "sft_full", "retrograd", "trl", "tokens_per_s", True),
     ("DPO LoRA, pairs/s per step", "dpo", "retrograd", "trl", "pairs_per_s", True),
     ("DPO LoRA, pairs/s end to end (1 epoch, reference included)", "dpo", "retrograd", "trl",

@@ -29,6 +29,8 @@ SmolLM2, 8 % of SFT LoRA's peak; in bf16, 71 MB).
 `PackedForward(decoder).supported()` says whether it applies now: a plain Llama (`llama`), SDPA or eager
 as the attention, no attention dropout, no gradient checkpointing. Otherwise the caller uses the model's
 own forward. `matmul_attention_for(keys)` says which attention a pass over `keys` keys runs.
+`compile_training_passes(decoder)` (`[training] compile`) makes the passes with autograd run the layers
+through torch.compile; `compiled()` says whether this pass does.
 
   run(ids, positions, real, mask=None, past=None, keep_kv=False)
       ids / positions / real [R, W]: the padded grid, its positions and where a real token is; mask:
