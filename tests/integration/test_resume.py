@@ -174,23 +174,29 @@ def test_full_fine_tune_resume_is_bit_exact(tmp_path, tiny_model, cli):
     assert losses(a / "runs" / "run") == losses(b / "runs" / "run")
 
 
-def test_bf16_weights_resume_is_bit_exact_through_the_mixed_lora_node(tmp_path, tiny_model, cli):
-    """bf16 base weights with float32 LoRA (and LoRA dropout on) train through models/mixed_lora.py's node;
-    a killed run resumes onto the same weights and losses as the straight one."""
-    extra = EXTRA + '[model]\ndtype = "bfloat16"\n'
-    straight_dir = tmp_path / "a"
+def straight_and_resumed(tmp_path, tiny_model, cli, extra: str, crash_in: str):
+    """Run `extra`'s config straight (in tmp_path/a) and killed while saving `crash_in`, then resumed (in
+    tmp_path/b); asserts both end on the same weights bit for bit and the same logged losses."""
+    straight_dir, d = tmp_path / "a", tmp_path / "b"
     straight_dir.mkdir()
     cli.cwd = straight_dir
     cli("train", write_run(straight_dir, tiny_model, extra, steps=STEPS), check=0)
-    d = tmp_path / "b"
     d.mkdir()
     cfg = write_run(d, tiny_model, extra, steps=STEPS)
     cli.cwd = d
-    killed = cli("train", cfg, env={"RETROGRAD_TEST_CRASH_IN_SAVE": "step-000000000010.state"})
+    killed = cli("train", cfg, env={"RETROGRAD_TEST_CRASH_IN_SAVE": crash_in})
     assert killed.returncode == -signal.SIGKILL
     cli("train", cfg, "--resume", check=0)
     assert_bit_identical(weights(straight_dir / "out" / "adapter"), weights(d / "out" / "adapter"))
     assert losses(straight_dir / "runs" / "run") == losses(d / "runs" / "run")
+    return straight_dir
+
+
+def test_bf16_weights_resume_is_bit_exact_through_the_mixed_lora_node(tmp_path, tiny_model, cli):
+    """bf16 base weights with float32 LoRA (and LoRA dropout on) train through models/mixed_lora.py's node;
+    a killed run resumes onto the same weights and losses as the straight one."""
+    straight_dir = straight_and_resumed(tmp_path, tiny_model, cli, EXTRA + '[model]\ndtype = "bfloat16"\n',
+                                        "step-000000000010.state")
     straight_losses = [loss for _, loss, _ in losses(straight_dir / "runs" / "run") if loss is not None]
     assert len(straight_losses) == STEPS and straight_losses[-1] < straight_losses[0]  # it trained
 
@@ -200,30 +206,16 @@ def test_compiled_training_passes_resume_bit_exact_and_train_as_eager(tmp_path, 
     order (with it the masks differ: inductor draws them from its own random stream); with dropout on, a
     killed compiled run resumes onto the straight compiled run's weights and losses bit for bit."""
     extra = EXTRA.replace("threads = 2\n", "threads = 2\ncompile = true\n")
-
-    def train(name, text, dropout=True):
+    curves = {}
+    for name, text in (("eager", EXTRA), ("compiled", extra)):
         folder = tmp_path / name
         folder.mkdir()
         cfg = write_run(folder, tiny_model, text, steps=STEPS)
-        if not dropout:
-            cfg.write_text(cfg.read_text().replace("dropout = 0.1", "dropout = 0.0"))
+        cfg.write_text(cfg.read_text().replace("dropout = 0.1", "dropout = 0.0"))
         cli.cwd = folder
-        return cfg, cli("train", cfg, check=0)
-
-    curves = {}
-    for name, text in (("eager", EXTRA), ("compiled", extra)):
-        _, out = train(name, text, dropout=False)
-        curves[name] = [loss for _, loss, _ in losses(tmp_path / name / "runs" / "run") if loss is not None]
+        out = cli("train", cfg, check=0)
+        curves[name] = [loss for _, loss, _ in losses(folder / "runs" / "run") if loss is not None]
     assert "training.compile: the first training pass compiles" in out.stdout + out.stderr
     assert len(curves["compiled"]) == STEPS and curves["compiled"][-1] < curves["compiled"][0]  # it trained
     assert curves["compiled"] == pytest.approx(curves["eager"], rel=1e-5)
-    train("straight", extra)
-    d = tmp_path / "resumed"
-    d.mkdir()
-    cfg = write_run(d, tiny_model, extra, steps=STEPS)
-    cli.cwd = d
-    killed = cli("train", cfg, env={"RETROGRAD_TEST_CRASH_IN_SAVE": "step-000000000005.state"})
-    assert killed.returncode == -signal.SIGKILL
-    cli("train", cfg, "--resume", check=0)
-    assert_bit_identical(weights(tmp_path / "straight" / "out" / "adapter"), weights(d / "out" / "adapter"))
-    assert losses(tmp_path / "straight" / "runs" / "run") == losses(d / "runs" / "run")
+    straight_and_resumed(tmp_path, tiny_model, cli, extra, "step-000000000005.state")

@@ -58,11 +58,16 @@ def to_device(batch: dict, device) -> dict:
     return {k: (v.to(device) if v is not None else None) for k, v in batch.items()}
 
 
+def base_and_decoder(model):
+    """(the transformers model inside a PEFT wrapper, or the model itself; its decoder body)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base, getattr(base, base.base_model_prefix)
+
+
 class Scorer:
     def __init__(self, model):
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base, self.decoder = base_and_decoder(model)
         self.head = base.get_output_embeddings()
-        self.decoder = getattr(base, base.base_model_prefix)
         self.base = base
         plain_head = isinstance(self.head, torch.nn.Linear) and self.head.bias is None
         transforms = any(getattr(base.config, k, None) not in (None, 1.0) for k in _LOGIT_TRANSFORMS)

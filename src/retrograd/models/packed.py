@@ -94,9 +94,9 @@ class PackedForward:
     def run(self, ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor, mask: torch.Tensor | None = None,
             past: list | None = None, keep_kv: bool = False):
         slots = grid_slots(real)  # data-dependent size: always eager, outside any compiled graph
-        body = _COMPILED.get(self.decoder) if torch.is_grad_enabled() else None
-        h, kept = (body or _layers)(self.decoder, ids, positions, slots, mask, past, keep_kv,
-                                    self.matmul_attention_for(ids.shape[1] + (past[0][0].shape[2] if past else 0)))
+        layers = _COMPILED[self.decoder] if self.compiled() else _layers
+        h, kept = layers(self.decoder, ids, positions, slots, mask, past, keep_kv,
+                        self.matmul_attention_for(ids.shape[1] + (past[0][0].shape[2] if past else 0)))
         return h, slots, kept
 
 

@@ -35,8 +35,9 @@ from retrograd.models.adapter_io import adapter_layout, apply_adapter, read_spec
 from retrograd.models.architectures import ARCHS as GGUF_ARCHS
 from retrograd.models.lean_mlp import lean_mlp
 from retrograd.models.load import load_model
-from retrograd.models.packed import PackedForward, compile_training_passes
+from retrograd.models.logprobs import base_and_decoder
 from retrograd.models.lora import attach_lora
+from retrograd.models.packed import PackedForward, compile_training_passes
 from retrograd.train import checkpointing as io
 from retrograd.train.common import prepare_run_dir, rng_state, save_output, seed_everything
 
@@ -241,8 +242,7 @@ def start_run(cfg, log, cpu_pass_tokens: int = 512) -> Run:
 def compile_passes(model, tr, sharded: bool, log) -> bool:
     """[training] compile: the training passes' packed forward through torch.compile, where the packed
     forward runs (models/packed.py); else a note saying why the passes stay eager. True when compiled."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    decoder = getattr(base, base.base_model_prefix)
+    base, decoder = base_and_decoder(model)
     why = ("fsdp2 shards the model, and sharded passes run the model's own forward" if sharded
            else "training.gradient_checkpointing recomputes through the model's own forward"
            if tr.gradient_checkpointing else None)
