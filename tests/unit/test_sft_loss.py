@@ -111,6 +111,48 @@ def test_chunk_log_softmax_is_the_out_of_place_result_in_one_reused_buffer():
     assert torch.equal(out, torch.log_softmax(hb @ wb.t(), dim=-1, dtype=torch.float32))
 
 
+def test_chunk_buffers_outlive_the_call_die_with_the_weight_and_are_per_thread():
+    import gc
+    import threading
+    import weakref
+
+    from retrograd.models.fused_head import _BUFFERS, ChunkLogSoftmax
+    torch.manual_seed(2)
+    w, h = torch.randn(40, 8), torch.randn(5, 8)
+    ptr = ChunkLogSoftmax(w, torch.float32)(h).data_ptr()
+    assert ChunkLogSoftmax(w, torch.float32)(h[:3]).data_ptr() == ptr  # the next call (the next pass) reuses it
+    other = ChunkLogSoftmax(torch.randn(40, 8), torch.float32)(h)  # another weight: its own buffer
+    assert other.data_ptr() != ptr
+    seen = {}
+    thread = threading.Thread(target=lambda: seen.update(ptr=ChunkLogSoftmax(w, torch.float32)(h).data_ptr()))
+    thread.start()
+    thread.join()
+    assert seen["ptr"] != ptr  # a thread of its own never writes into this thread's buffer
+    held = weakref.ref(_BUFFERS.by_weight[id(w)][1][torch.float32])
+    del w
+    gc.collect()
+    assert held() is None  # the weight gone, so are its buffers
+
+
+def test_bf16_head_through_the_kept_buffers_equals_the_out_of_place_ops():
+    torch.manual_seed(3)
+    h = torch.randn(9, 8).bfloat16().requires_grad_()
+    w = torch.randn(30, 8).bfloat16()
+    y = torch.randint(0, 30, (9,))
+    for _ in range(2):  # the second call runs in the buffers the first one left
+        loss = linear_cross_entropy_sum(h, w, y, chunk_size=4)
+        (grad,) = torch.autograd.grad(loss, h)
+        want = torch.zeros(())
+        want_grad = torch.empty_like(h)
+        for s in range(0, 9, 4):  # the same chunked arithmetic with fresh tensors
+            logp = torch.log_softmax(h[s:s + 4].detach() @ w.t(), dim=-1, dtype=torch.float32)
+            want -= logp.gather(1, y[s:s + 4, None]).sum()
+            probs = logp.exp()
+            probs[torch.arange(len(y[s:s + 4])), y[s:s + 4]] -= 1.0
+            want_grad[s:s + 4] = probs.to(torch.bfloat16) @ w
+        assert torch.equal(loss, want) and torch.equal(grad, want_grad)
+
+
 def test_chunked_loss_and_gradient_do_not_depend_on_the_chunk_size():
     # the reused buffer must not carry one chunk's values into the next (a shorter last chunk included)
     torch.manual_seed(1)

@@ -12,36 +12,73 @@ This is valid because the loss is a scalar leaf of the graph: backward receives 
 """
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 
 IGNORE = -100
 
 
+class _HeadBuffers(threading.local):
+    """Per thread, per head weight: the [rows, V] buffers its chunks are written into, kept from one call to
+    the next. Held by the weight's id next to a weak reference to it, dropped when the weight is (they go
+    with the model); per thread, so two threads scoring with one model never share one. (Not a
+    WeakKeyDictionary: its lookups compare tensors with ==.)"""
+
+    def __init__(self):
+        self.by_weight: dict[int, tuple[weakref.ref, dict]] = {}
+
+    def get(self, weight: torch.Tensor, rows: int, dtype: torch.dtype, device) -> torch.Tensor:
+        entry = self.by_weight.get(id(weight))
+        if entry is None or entry[0]() is not weight:
+            key, table = id(weight), self.by_weight
+            entry = table[key] = (weakref.ref(weight, lambda _, key=key, table=table: table.pop(key, None)), {})
+        held = entry[1]
+        buf = held.get(dtype)
+        if buf is None or buf.shape[0] < rows or buf.device != torch.device(device):
+            buf = held[dtype] = torch.empty(rows, weight.shape[0], dtype=dtype, device=device)
+        return buf[:rows]  # leading rows of a contiguous buffer: contiguous
+
+
+_BUFFERS = _HeadBuffers()
+
+
 class ChunkLogSoftmax:
     """float32 log_softmax(h @ W^T) of one chunk of rows at a time, written into one [chunk, V] buffer
-    that every chunk of a call reuses (in place: the matmul writes the logits there and the row-wise
-    log_softmax overwrites them, bit for bit what the out-of-place ops give).
+    (in place: the matmul writes the logits there and the row-wise log_softmax overwrites them, bit for
+    bit what the out-of-place ops give). The buffer is kept for the next call with the same weight
+    (_HeadBuffers), so every chunk of every pass writes to the same memory.
 
-    Why: a chunk's logits are 50 MB (256 rows x 49k x 4 B), above glibc's mmap threshold, so each
-    fresh [C, V] tensor is new pages from the kernel, and touching them for the first time
-    (12k page faults) cost ~25 ms of a ~135 ms chunk on a 2-core Xeon; the logits and the
-    log-probabilities were two such tensors per chunk. Reused, only the first chunk pays, and the
-    head's peak memory at the end of a forward (where every activation is still held) is one
-    buffer instead of two."""
+    Why: a chunk's logits are 50 MB (256 rows x 49k x 4 B). As a fresh tensor every chunk, touching
+    its new pages (12k page faults) cost ~25 ms of a ~135 ms chunk on a 2-core Xeon. As a buffer per
+    call, the first chunk of each pass still ran slow on an AMD EPYC of this machine kind: its logits
+    matmul at 95 GFLOP/s against 150 kept (fp32), 204 against 385 (bf16), ~2-3 % of an SFT step.
+    The head's peak memory at the end of a forward (where every activation is still held) is one buffer.
+
+    With bf16 weights the logits come out of the matmul in bf16 and the probabilities go back into one
+    in bf16 (`low`): both in a second kept buffer of the weights' dtype, instead of two fresh 25 MB
+    tensors a chunk."""
 
     def __init__(self, weight: torch.Tensor, acc: torch.dtype):
-        self.weight, self.acc, self.buf = weight, acc, None
+        self.weight, self.acc = weight, acc
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         rows = h.shape[0]
-        if self.buf is None or self.buf.shape[0] < rows:
-            self.buf = torch.empty(rows, self.weight.shape[0], dtype=self.acc, device=h.device)
-        out = self.buf[:rows]  # leading rows of a contiguous buffer: contiguous
+        out = _BUFFERS.get(self.weight, rows, self.acc, h.device)
         if h.dtype == self.acc and self.weight.dtype == self.acc:
             torch.mm(h, self.weight.t(), out=out)
-        else:  # bf16 logits, then float32 as log_softmax(..., dtype=float32) casts them
+        elif h.dtype == self.weight.dtype:  # bf16 logits, then float32 as log_softmax(..., dtype=float32) casts them
+            out.copy_(torch.mm(h, self.weight.t(), out=_BUFFERS.get(self.weight, rows, h.dtype, h.device)))
+        else:
             out.copy_(h @ self.weight.t())
         return torch.log_softmax(out, dim=-1, out=out)
+
+    def low(self, probs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """probs (float32, this call's chunk) in `dtype`: a copy into the kept buffer, or probs itself."""
+        if probs.dtype == dtype:
+            return probs
+        return _BUFFERS.get(self.weight, probs.shape[0], dtype, probs.device).copy_(probs)
 
 
 def select_targets(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +109,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 # d(-log p_y)/d logits = softmax - onehot, computed in place on the log-probabilities
                 probs = logp.exp_()
                 probs[torch.arange(y.shape[0], device=y.device), y] -= 1.0
-                probs = probs.to(hidden.dtype)
+                probs = log_softmax.low(probs, hidden.dtype)
                 if grad_h is not None:
                     torch.mm(probs, weight, out=grad_h[start:start + chunk_size])  # [C, H]
                 if grad_w is not None:
@@ -132,7 +169,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             probs = logp.exp_()
             probs[torch.arange(y.shape[0], device=y.device), y] -= 1.0
             g = grad_h[start:start + chunk_size]
-            torch.mm(probs.to(hidden.dtype), weight, out=g).neg_()  # [C, H]
+            torch.mm(log_softmax.low(probs, hidden.dtype), weight, out=g).neg_()  # [C, H]
         ctx.save_for_backward(grad_h)
         return out
 
