@@ -1,5 +1,6 @@
-"""LoRA on bf16 weights as one node in bf16 (models/mixed_lora.py): the same function as PEFT's layer, its
-gradients by finite differences, taken only for mixed-dtype plain LoRA, and float32 models untouched."""
+"""LoRA on bf16 or float32 weights as one node in that dtype (models/mixed_lora.py): the same function as
+PEFT's layer, its gradients by finite differences, taken only for plain LoRA on bf16 / float32 weights,
+and fp16 models untouched."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -141,8 +142,8 @@ def test_as_close_to_float64_as_peft_and_keeps_less_for_backward(monkeypatch):
     assert fast_bytes < 0.6 * peft_bytes
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_attach_lora_gives_a_causal_lm_the_node_in_bf16_only(dtype):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_attach_lora_gives_a_causal_lm_the_node_in_bf16_and_float32(dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -160,16 +161,48 @@ def test_attach_lora_gives_a_causal_lm_the_node_in_bf16_only(dtype):
         seen.append(type(node).__name__)
         stack.extend(fn for fn, _ in node.next_functions)
     nodes = sum("MixedLoRALinear" in name for name in seen)
-    assert nodes == (4 if dtype == torch.bfloat16 else 0)  # q and v in 2 layers
+    assert nodes == (0 if dtype == torch.float16 else 4)  # q and v in 2 layers
     loss.backward()
     lora = {n: p.grad for n, p in model.named_parameters() if "lora_" in n}
     assert len(lora) == 8 and all(g is not None and g.dtype == torch.float32 for g in lora.values())
     assert all(g.abs().sum() > 0 for n, g in lora.items() if "lora_B" in n)  # lora_A's are 0 while B is 0
 
 
-def test_float32_models_keep_pefts_forward_bit_for_bit():
+def test_float32_layers_take_the_node_match_peft_and_allocate_less(monkeypatch):
     model = _adapted(torch.float32)
-    x = torch.randn(2, 5, 24)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 7, 24, generator=g)
+    grad = torch.randn(3, 7, 40, generator=g)
+    layer = model.base_model.model.q_proj
+    assert "MixedLoRALinear" in type(layer(x.clone().requires_grad_()).grad_fn).__name__
+
+    def forward_allocated_bytes() -> int:  # every block one layer's forward allocates, freed or kept
+        inputs = x.clone().requires_grad_()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            layer(inputs)
+        return sum(e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage > 0)
+
+    def run_counting_allocations():
+        return _run(model, x, grad), forward_allocated_bytes()
+
+    (fast_out, fast_gx, fast_grads), fast_bytes = run_counting_allocations()
+    monkeypatch.setattr(mixed_lora, "_fast_path_args", lambda *a: None)
+    (peft_out, peft_gx, peft_grads), peft_bytes = run_counting_allocations()
+    assert "MixedLoRALinear" not in type(layer(x.clone().requires_grad_()).grad_fn).__name__
+    # the same function up to float32 rounding (PEFT rounds the rank-r product, then its scaled copy)
+    assert _rel(fast_out, peft_out) < 1e-6 and _rel(fast_gx, peft_gx) < 1e-6
+    for name, want in peft_grads.items():
+        assert _rel(fast_grads[name], want) < 1e-6, name
+    ref = torch.cat([_reference64(layer, x.double()) for layer in _lora_layers(model)], -1)
+    assert _rel(fast_out, ref) < 1e-6
+    # PEFT allocates the base output, the rank-r product, its scaled copy and their sum (and the r-wide
+    # product): 4 x 2016 + 336 bytes; the node the output and the r-wide product: 2016 + 336
+    assert fast_bytes < 0.3 * peft_bytes, (fast_bytes, peft_bytes)
+
+
+def test_float16_models_keep_pefts_forward_bit_for_bit():
+    model = _adapted(torch.float16)
+    x = torch.randn(2, 5, 24).to(torch.float16)
     layer = model.base_model.model.q_proj
     assert "MixedLoRALinear" not in type(layer(x.requires_grad_()).grad_fn).__name__
     assert torch.equal(layer(x), type(layer).forward(layer, x))

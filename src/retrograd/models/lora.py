@@ -57,8 +57,9 @@ def resolve_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
 
 
 def attach_lora(model: torch.nn.Module, rank: int, alpha: float, targets: list[str], dropout: float, seed: int):
-    """Wrap `model` with a PEFT LoRA adapter initialised from `seed` (A random, B zero). On bf16 / fp16
-    weights its layers compute in that dtype (models/mixed_lora.py); on float32 they are PEFT's own."""
+    """Wrap `model` with a PEFT LoRA adapter initialised from `seed` (A random, B zero). On bf16 and float32
+    weights its layers run as one node that computes in that dtype (models/mixed_lora.py); on fp16 they
+    are PEFT's own."""
     from peft import LoraConfig, get_peft_model
 
     from retrograd.models.mixed_lora import mixed_lora

@@ -1,4 +1,4 @@
-"""LoRA on bf16 weights as one autograd node that computes in the weights' dtype.
+"""LoRA on bf16 or float32 weights as one autograd node that computes in the weights' dtype.
 
 With `[model] dtype = "bfloat16"` the base weights are bf16 and the LoRA weights stay float32 (the
 optimizer updates them in float32). PEFT's `lora.Linear.forward` then casts every input to float32, runs
@@ -20,10 +20,18 @@ differed from the float32 model's by about 4 % of their norm (this node's 3.98 %
 activations dominate. Measured in-process against PEFT's path (benchmarks/ab_mixed_lora.py): that SFT pass
 took 15.5 % less time (medians, 7 of 8 pairs faster); a GRPO training pass and a DPO step were inside the
 host's noise (4 of 8 pairs each). bench_sft.py --dtype bfloat16's peak RSS fell from 1482 to 1230-1243 MB
-(separate runs). In a float32 model the same node saved nothing (0.97x), hence the mixed case only.
+(separate runs).
 
-Only bf16 weights with float32 adapters take it: float32 models keep PEFT's forward bit for bit, and so do
-fp16 ones (there g B underflows while B is small, early in training, where PEFT's float32 path does not).
+Float32 models take it too, for memory: PEFT's layer allocates three [tokens, out] tensors a call (the base
+output, the rank-r product, its scaled copy) and their sum, where the node adds the rank-r product into the
+base output. Freed between layers, those temporaries fragment glibc's heap under the activations that are
+kept; an SFT LoRA run of SmolLM2 (bench_sft.py's settings, 4 steps, AMD EPYC) peaked at 1714-1735 MB of RSS
+against 1811-1828 with PEFT's forward (3 runs each, alternating), at the same speed. The values are PEFT's
+up to rounding (the node rounds the scaled product once, inside the GEMM; PEFT rounds it, then its
+scaled copy): the losses of those runs agreed to 4 decimals.
+
+Only bf16 and float32 weights with float32 adapters take it. fp16 ones keep PEFT's forward (there g B
+underflows while B is small, early in training, where PEFT's float32 path does not).
 The fast path also stands aside, per call, for everything it does not reproduce: adapters disabled or
 merged, more than one active adapter, per-row adapter names, DoRA and other variants, a LoRA bias,
 fan_in_fan_out, a trained base weight, in-place dropout, DTensor parameters, and hooks on base_layer,
@@ -83,8 +91,8 @@ def _plain_tensor(t: torch.Tensor | None) -> bool:
 
 
 def _fast_path_args(module, x: torch.Tensor, args: tuple, kwargs: dict):
-    """(dropout, weight, bias, lora_a, lora_b, scaling) when this call is plain LoRA on a mixed-dtype layer,
-    else None."""
+    """(dropout, weight, bias, lora_a, lora_b, scaling) when this call is plain LoRA on a bf16 or float32
+    layer with float32 adapters, else None."""
     if args or kwargs or module.disable_adapters or module.merged or module.lora_variant:
         return None
     active = [n for n in module.active_adapters if n in module.lora_A]
@@ -102,9 +110,10 @@ def _fast_path_args(module, x: torch.Tensor, args: tuple, kwargs: dict):
     if _hooked(base, lora_a, lora_b):
         return None
     weight, bias, a, b = base.weight, base.bias, lora_a.weight, lora_b.weight
-    # bf16 only: in fp16 the [tokens, r] gradient g B underflows while B is small (early training), which
-    # PEFT's float32 path avoids; fp16 models keep PEFT's forward
-    if not (x.dtype == weight.dtype == torch.bfloat16 and a.dtype == b.dtype == torch.float32):
+    # bf16 and float32 only: in fp16 the [tokens, r] gradient g B underflows while B is small (early
+    # training), which PEFT's float32 path avoids; fp16 models keep PEFT's forward
+    if not (x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float32)
+            and a.dtype == b.dtype == torch.float32):
         return None
     if not all(_plain_tensor(t) for t in (x, weight, bias, a, b)):
         return None
@@ -135,7 +144,7 @@ def _mixed_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
 
 def mixed_lora(model: torch.nn.Module) -> int:
-    """Give every PEFT LoRA linear layer of `model` the mixed-dtype fast path (it decides per call whether
+    """Give every PEFT LoRA linear layer of `model` the node's fast path (it decides per call whether
     it applies); returns how many layers were changed. The instance's forward is swapped, never the class."""
     from peft.tuners.lora.layer import Linear as LoraLinear
     changed = 0
