@@ -39,7 +39,6 @@ import ab_scoring_layout as layout  # noqa: E402
 import common  # noqa: E402
 
 
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dtype", choices=sorted(ab_attention.TOLERANCES), default="bfloat16",
