@@ -70,7 +70,9 @@ BUILTIN = "smollm2-135m-instruct"
 BATCH, SEQ, SEED, LR = 4, 256, 0, 2e-4
 LR_BY_MODE = {"lora": 2e-4, "full": 1e-5}
 LORA_R, LORA_ALPHA, LORA_TARGETS = 8, 16, ["q_proj", "k_proj", "v_proj", "o_proj"]
-MICRO_BATCH = 512  # retrograd's CPU default pass for SFT (tokens), written out so the setting is visible
+# retrograd's CPU default pass (tokens) for a LoRA SFT and for a full fine-tune (train/setup.py
+# FULL_FINE_TUNE_CPU_PASS_TOKENS), written out so the setting is visible
+MICRO_BATCH = {"lora": 512, "full": 1024}
 # Smoke: a tiny random model learns fast only with a larger lr, and a loss that moves is what makes
 # the step-by-step check mean something
 SMOKE = {"seq": 64, "steps": 4, "repeats": 2, "lr": {"lora": 1e-2, "full": 1e-3}}
@@ -420,8 +422,9 @@ def per_run_metrics(flops: float, peak: float) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mode", choices=("lora", "full"), default="lora", help="LoRA (default) or full fine-tune")
-    p.add_argument("--micro-batch", type=int, default=MICRO_BATCH,
-                   help=f"retrograd's [training] micro_batch, tokens per pass (default {MICRO_BATCH}, its CPU default); "
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help=f"retrograd's [training] micro_batch, tokens per pass (default: its CPU default, "
+                        f"{MICRO_BATCH['lora']} LoRA, {MICRO_BATCH['full']} full); "
                         "another value writes sft_<mode>-pass<N>_<timestamp>.json, which report.py leaves out")
     p.add_argument("--ab-lean-mlp", action="store_true",
                    help="a third side, retrograd with transformers' own MLP forward (the A/B of models/lean_mlp.py); "
@@ -447,11 +450,13 @@ def main() -> None:
     if bf16 and not common.bf16_native():
         p.error("--dtype bfloat16: this CPU has no native bf16 (avx512_bf16 / amx_bf16); both sides would run "
                 "many times slower than fp32, which measures nothing of interest")
+    if args.micro_batch is None:
+        args.micro_batch = MICRO_BATCH[args.mode]
     steps = args.steps or (SMOKE["steps"] if args.smoke else 20)
     repeats = args.repeats or (SMOKE["repeats"] if args.smoke else 3)
     if steps < 2:
         p.error("--steps must be at least 2 (step 1 is warm-up and is left out of the steady figure)")
-    name = f"sft_{args.mode}" + ("_bf16" if bf16 else "") + ("" if args.micro_batch == MICRO_BATCH else f"-pass{args.micro_batch}") \
+    name = f"sft_{args.mode}" + ("_bf16" if bf16 else "") + ("" if args.micro_batch == MICRO_BATCH[args.mode] else f"-pass{args.micro_batch}") \
         + ("-ab-lean-mlp" if args.ab_lean_mlp else "") + ("-ab-attention" if args.ab_attention else "") \
         + ("_compile" if args.compile else "")
     ab_side = {"retrograd_plain_mlp": args.ab_lean_mlp, "retrograd_sdpa_attention": args.ab_attention,

@@ -67,3 +67,19 @@ def test_preference_passes_equal_one_pass(tmp_path, tiny_model):
     assert split_metrics["preference/loss"] == pytest.approx(one_metrics["preference/loss"], rel=1e-12)
     for n in one:
         assert (split[n] - one[n]).norm() <= 1e-10 * one[n].norm(), n
+
+
+@pytest.mark.parametrize("trainable,extra,cpu_default,expected", [
+    ("lora", "", 512, 512),  # SFT's and DPO's CPU default
+    ("full", "", 512, 1024),  # a full fine-tune's passes are 1024 tokens at least
+    ("full", "", 1024, 1024),  # GRPO's default already is
+    ("full", "micro_batch = 256\n", 512, 256),  # the user's budget wins
+])
+def test_a_full_fine_tune_defaults_to_1024_token_passes_on_cpu(tmp_path, tiny_model, trainable, extra, cpu_default,
+                                                              expected):
+    from retrograd.train.setup import start_run
+    cfg = write_run(tmp_path, tiny_model, f'[training]\ntrainable = "{trainable}"\n{extra}')
+    if trainable == "full":
+        text = cfg.read_text()
+        cfg.write_text(text[:text.index("[lora]")] + text[text.index("[training]"):])
+    assert start_run(load_config(cfg), lambda *_: None, cpu_default).pass_tokens == expected

@@ -164,3 +164,48 @@ def test_chunked_loss_and_gradient_do_not_depend_on_the_chunk_size():
     chunked = linear_cross_entropy_sum(h, w, y, chunk_size=4)
     (g_chunked,) = torch.autograd.grad(chunked, h)
     assert torch.allclose(whole, chunked, rtol=1e-6) and torch.allclose(g_whole, g_chunked, atol=1e-6)
+
+
+def _trained_head_case(seed: int = 3):
+    torch.manual_seed(seed)
+    h = torch.randn(9, 6, requires_grad=True)
+    w = torch.randn(17, 6, requires_grad=True)
+    return h, w, torch.randint(0, 17, (9,))
+
+
+def test_trained_head_gradient_is_written_by_the_first_chunk_and_scaled_in_place():
+    # no zero fill of the [V, H] gradient (the first chunk's product writes it) and no out-of-place
+    # [V, H] product in backward: the scale is applied in place, and the result is still the textbook one
+    h, w, y = _trained_head_case()
+    with torch.profiler.profile(record_shapes=True) as prof:
+        loss = linear_cross_entropy_sum(h, w, y, chunk_size=4) / 7.0  # three chunks, the last one short
+        loss.backward()
+    on_head = [(e.name, e.input_shapes[0]) for e in prof.events() if e.input_shapes and e.input_shapes[0] == [17, 6]]
+    assert ("aten::mul_", [17, 6]) in on_head
+    assert not [n for n, _ in on_head if n in ("aten::fill_", "aten::zero_", "aten::mul")], on_head
+    rh, rw = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    (torch.nn.functional.cross_entropy(rh @ rw.t(), y, reduction="sum") / 7.0).backward()
+    assert torch.allclose(w.grad, rw.grad, atol=1e-6) and torch.allclose(h.grad, rh.grad, atol=1e-6)
+
+
+def test_a_backward_that_keeps_the_graph_leaves_the_head_gradient_unscaled():
+    # retain_graph: the in-place scale would make a second backward scale twice; that backward takes the
+    # out-of-place product, and a second one gives the same gradient again
+    h, w, y = _trained_head_case(4)
+    loss = linear_cross_entropy_sum(h, w, y, chunk_size=4) * 0.5
+    first = torch.autograd.grad(loss, w, retain_graph=True)[0]
+    second = torch.autograd.grad(loss, w)[0]
+    assert torch.equal(first, second)
+    fresh = torch.autograd.grad(linear_cross_entropy_sum(h, w, y, chunk_size=4) * 0.5, w)[0]  # in place
+    assert torch.equal(first, fresh)
+
+
+def test_the_topk_kl_head_gradient_takes_the_same_path():
+    from retrograd.models.fused_head import linear_topk_kl_sum, topk_bucket_kl
+    h, w, _ = _trained_head_case(5)
+    ids = torch.randint(0, 17, (9, 3))
+    teacher = torch.log_softmax(torch.randn(9, 4), -1)[:, :3]
+    (linear_topk_kl_sum(h, w, ids, teacher, chunk_size=4) * 0.25).backward()
+    rh, rw = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    (topk_bucket_kl(torch.log_softmax(rh @ rw.t(), -1), ids, teacher).sum() * 0.25).backward()
+    assert torch.allclose(w.grad, rw.grad, atol=1e-6) and torch.allclose(h.grad, rh.grad, atol=1e-6)
