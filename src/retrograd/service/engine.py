@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from retrograd.algorithms.optim import Dimuon, clip_gradients
+from retrograd.algorithms.optim import Dimuon, adamw, clip_gradients
 from retrograd.algorithms.tinker_losses import REQUIRED_INPUTS, datum_loss, resolve_config
 from retrograd.models.lora import ALIASES, attach_lora, block_linear_names
 from retrograd.models.logprobs import Scorer
@@ -157,7 +157,7 @@ class Run:
         if self.optimizer is None:  # hyperparameters are set again by every optim_step
             params = list(self.params.values())
             self.optimizer = (Dimuon(params, lr=0.0) if self.optimizer_kind == "dimuon" else
-                              torch.optim.AdamW(params, lr=0.0, betas=(0.9, 0.95), eps=1e-12))
+                              adamw(params, lr=0.0, betas=(0.9, 0.95), eps=1e-12))
         return self.optimizer
 
     # ---- sampling ------------------------------------------------------------------------------
