@@ -94,8 +94,7 @@ class TrainingTable:
     micro_batch: Optional[int] = opt(None, min=1,
                                      help="most tokens (rows x padded length) per forward/backward pass; a "
                                           "micro-batch is split into passes of whole rows that fit, with the same "
-                                          "update (the main memory knob). Default on CPU: 512 (GRPO and full "
-                                          "fine-tunes: 1024); no split on GPU")
+                                          "update (the main memory knob). CPU default 512 (GRPO, full: 1024); GPU: none")
     ctx: int = opt(512, min=8, help="maximum sequence length in tokens (longer rows are truncated)")
     seed: int = opt(42, help="seed of data order, dropout and everything random in the loop")
     threads: Optional[int] = opt(None, min=1, trajectory=False, help="torch CPU threads (default: all cores)")

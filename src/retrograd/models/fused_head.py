@@ -126,6 +126,7 @@ def _backward_frees_graph() -> bool:
     keeps_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
     return keeps_graph is not None and not keeps_graph()
 
+
 class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_size):
