@@ -89,6 +89,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_sft  # noqa: E402
+import common  # noqa: E402
 from bench_grpo import bf16_matmul_gflops, matmul_gflops, matmul_params, median_spread  # noqa: E402
 from bench_sft import (LORA_ALPHA, LORA_R, LORA_TARGETS, THREADS, cpu_model,  # noqa: E402
                        load_trl_model, self_peak_rss_mb, versions, write_json)
@@ -567,7 +568,8 @@ def main() -> None:
     name = out_dir / f"distill{'_smoke' if args.smoke else ''}_{time.strftime('%Y%m%d_%H%M%S')}.json"
     write_json(name, {"summary": summary, "ratios": ratios, "raw": runs, "prepare": prep,
                       "notes": notes, "matmul_gflops": peak, "matmul_gflops_bf16": peak_bf16, "versions": versions(),
-                      "cpu": cpu_model(), "steps": args.steps, "repeats": args.repeats, "smoke": args.smoke,
+                      "cpu": cpu_model(), "machine": common.machine({"fp32": peak, "bf16": peak_bf16}),
+                      "steps": args.steps, "repeats": args.repeats, "smoke": args.smoke,
                       "settings": {"prompts_per_update": PROMPTS, "completions_per_prompt": GENS,
                                    "max_new_tokens": MAX_NEW, "lr": LR, "seed": SEED, "ctx": CTX,
                                    "weight_clip": WEIGHT_CLIP, "threads": THREADS,

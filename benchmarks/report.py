@@ -122,12 +122,17 @@ def render_summary(folder: Path = RESULTS) -> str:
     return "\n".join(lines)
 
 
+def cpu_name(r: dict) -> str:
+    """The CPU's model name as the result recorded it, "(R)" marks left out."""
+    m = r.get("machine") or {}
+    return (m.get("cpu") or r.get("cpu") or "?").replace("(R)", "")
+
+
 def cpu_label(r: dict) -> str:
     """The CPU as far as speed goes: its model name and its widest vector unit / native bf16 (two
     "AMD EPYC" machines here differ: one with AVX-512 and bf16, one with AVX2 only)."""
-    m = r.get("machine") or {}
-    flags = m.get("flags") or {}
-    name = (m.get("cpu") or r.get("cpu") or "?").replace("(R)", "")
+    flags = (r.get("machine") or {}).get("flags") or {}
+    name = cpu_name(r)
     if not flags:
         return name
     unit = "AVX-512" if flags.get("avx512f") else "AVX2" if flags.get("avx2") else "no AVX2"
@@ -136,8 +141,9 @@ def cpu_label(r: dict) -> str:
 
 
 def newest_per_cpu(kind: str, sides: tuple, folder: Path = RESULTS) -> list[tuple[Path, dict]]:
-    """The newest result of `kind` holding both `sides`, per CPU (cpu_label), newest first. Older files
-    that did not record the CPU's flags count only where no file did."""
+    """The newest result of `kind` holding both `sides`, per CPU (cpu_label), newest first. An older file
+    that did not record the CPU's flags counts only where no file with flags names the same CPU model
+    (it cannot tell which of that model's kinds it ran on, so a flagged result of the model replaces it)."""
     out, unflagged, seen = [], [], set()
     for path in reversed(result_files(kind, folder)):
         try:
@@ -148,7 +154,8 @@ def newest_per_cpu(kind: str, sides: tuple, folder: Path = RESULTS) -> list[tupl
             continue
         seen.add(cpu_label(r))
         (out if (r.get("machine") or {}).get("flags") else unflagged).append((path, r))
-    return out or unflagged
+    flagged_models = {cpu_name(r) for _, r in out}
+    return out + [(path, r) for path, r in unflagged if cpu_name(r) not in flagged_models]
 
 
 def result_files(kind: str, folder: Path = RESULTS) -> list[Path]:

@@ -196,6 +196,25 @@ def test_summary_keeps_the_newest_result_of_each_cpu(tmp_path):
     assert "| 220.0 |" in rows[1] and "AMD EPYC (AVX-512, bf16)" in rows[1] and "20261201_110000" in rows[1]
 
 
+def test_a_result_without_flags_stays_until_a_flagged_one_names_its_cpu(tmp_path):
+    """Old files recorded no CPU flags: an "AMD EPYC" one keeps its row beside a newer Xeon result (a
+    different CPU), and gives it up once a flagged EPYC result exists (it cannot say which EPYC it was)."""
+    def result(tps, name, flags, stamp):
+        r = synthetic_sft(tps, 100.0)
+        r["machine"]["cpu"], r["machine"]["flags"] = name, flags
+        (tmp_path / f"sft_lora_{stamp}.json").write_text(json.dumps(r))
+
+    def rows():
+        return [x for x in report.render_kind("summary", tmp_path).splitlines() if x.startswith("| SFT LoRA, ")]
+    result(111.0, "AMD EPYC", {}, "20261201_100000")
+    result(222.0, "Intel(R) Xeon(R) Processor", {"avx2": True, "avx512f": True, "amx_bf16": True}, "20261202_100000")
+    got = rows()
+    assert len(got) == 2 and "| 222.0 |" in got[0] and "| 111.0 |" in got[1] and "| AMD EPYC, 180 GFLOP/s |" in got[1]
+    result(333.0, "AMD EPYC", {"avx2": True}, "20261203_100000")
+    got = rows()
+    assert len(got) == 2 and "| 333.0 |" in got[0] and "| 222.0 |" in got[1] and not any("| 111.0 |" in x for x in got)
+
+
 def test_grpo_notes_take_a_check_stated_in_words():
     r = synthetic_sft()
     r["checks"] = {"loss": "every update's loss equals its objective", "trained_completions": {"retrograd": [16]}}
