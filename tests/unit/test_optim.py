@@ -1,12 +1,14 @@
 """build_optimizer: AdamW takes its fused kernel for plain CPU parameters, gives the update of the
 for-loop AdamW to float32 rounding (written out by hand for one step), and bumps the weights'
 version counters as an in-place update would, so version-keyed caches (the RL decoder's packed
-weights) see the change."""
+weights) see the change. clip_gradients: torch's clip_grad_norm_ bit for bit, without its no-op
+multiply when nothing is clipped."""
 from types import SimpleNamespace
 
+import pytest
 import torch
 
-from retrograd.algorithms.optim import build_optimizer, fused_adamw_applies
+from retrograd.algorithms.optim import build_optimizer, clip_gradients, fused_adamw_applies
 from retrograd.rl import decoder
 
 TR = SimpleNamespace(optimizer="adamw", lr=1e-2, adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=1e-8, weight_decay=0.1)
@@ -54,3 +56,31 @@ def test_fused_is_not_used_for_unsupported_parameters():
     assert not fused_adamw_applies([torch.nn.Parameter(torch.zeros(2, device="meta"))])
     sgd = build_optimizer(params(), SimpleNamespace(**{**vars(TR), "optimizer": "sgd"}))
     assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["weight_decay"] == 0.1
+
+
+@pytest.mark.parametrize("max_norm", [1e3, 1.0, 0.5])
+def test_clip_gradients_equals_torch_clip_grad_norm_bit_for_bit(max_norm):
+    """Unclipped (1e3), clipped (1.0, 0.5: the norm of params() is ~8): the same norm and the same
+    gradients as torch.nn.utils.clip_grad_norm_, exactly; clipped gradients have the asked norm."""
+    ours, theirs = params(), params()
+    norm = clip_gradients(ours, max_norm)
+    want = torch.nn.utils.clip_grad_norm_(theirs, max_norm)
+    assert norm == float(want) and 1.0 < norm < 1e3
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours, theirs))
+    after = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in ours])))
+    assert after == pytest.approx(min(norm, max_norm), rel=1e-5)
+
+
+def test_an_unclipped_step_does_not_touch_the_gradients_and_a_nan_norm_still_multiplies():
+    ps = params()
+    versions = [p.grad._version for p in ps]
+    clip_gradients(ps, 1e3)
+    assert [p.grad._version for p in ps] == versions  # no pass over the gradients: nothing written
+    clip_gradients(ps, 1.0)
+    assert all(p.grad._version > v for p, v in zip(ps, versions))
+    bad, ref = params(), params()
+    bad[1].grad[0] = ref[1].grad[0] = float("nan")
+    assert clip_gradients(bad, 1e3) != clip_gradients(bad, 1e3)  # NaN, and as torch does, the NaN spreads
+    torch.nn.utils.clip_grad_norm_(ref, 1e3)
+    torch.nn.utils.clip_grad_norm_(ref, 1e3)
+    assert all(torch.equal(a.grad.isnan(), b.grad.isnan()) for a, b in zip(bad, ref)) and bad[0].grad.isnan().all()
