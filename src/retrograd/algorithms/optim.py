@@ -48,20 +48,18 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> float:
     grads = [p for p in params if p.grad is not None]
     if not grads:
         return 0.0
-    if max_norm > 0:
-        # torch's clip_grad_norm_, less one pass over every gradient in the usual step: it multiplies by
-        # min(max_norm / (norm + 1e-6), 1) even when that is 1, to spare an accelerator a host sync. We
-        # read the norm back anyway, and g * 1.0 == g bit for bit, so an unclipped step skips the multiply
-        # (a full fine-tune of SmolLM2: 1.1 GB of memory traffic a step). NaN coefficients still multiply.
-        norm = torch.nn.utils.get_total_norm([p.grad for p in grads])
-        whole = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        if not bool(max_norm / (whole + 1e-6) >= 1.0):
-            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm)
-    elif hasattr(grads[0].grad, "full_tensor"):  # sharded (FSDP2) gradients: the norm over every rank's shard
-        norm = torch.nn.utils.get_total_norm([p.grad for p in grads])
-    else:
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in grads]))
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    sharded = hasattr(grads[0].grad, "full_tensor")  # FSDP2 gradients: the norm over every rank's shard
+    if max_norm <= 0 and not sharded:
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in grads])))
+    norm = torch.nn.utils.get_total_norm([p.grad for p in grads])
+    whole = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    # torch's clip_grad_norm_, less one pass over every gradient in the usual step: it multiplies by
+    # min(max_norm / (norm + 1e-6), 1) even when that is 1, to spare an accelerator a host sync. We
+    # read the norm back anyway, and g * 1.0 == g bit for bit, so an unclipped step skips the multiply
+    # (a full fine-tune of SmolLM2: 1.1 GB of memory traffic a step). NaN coefficients still multiply.
+    if max_norm > 0 and not bool(max_norm / (whole + 1e-6) >= 1.0):
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm)
+    return float(whole)
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_norm: float) -> float:
