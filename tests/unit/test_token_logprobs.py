@@ -64,3 +64,30 @@ def test_unlikely_targets_and_bf16_inputs_stay_exact():
     assert lb.dtype == torch.float32
     ref = torch.log_softmax((hb.float() @ w.bfloat16().float().t()), -1).gather(1, y[:, None]).squeeze(1)
     assert torch.allclose(lb, ref, atol=0.5, rtol=0.02)
+
+
+def test_rows_split_into_even_chunks(monkeypatch):
+    """288 rows under a 256-row limit run as 2 x 144, not 256 + a thin 32 (a slow product); a count that
+    fits is one chunk; the values do not depend on the split."""
+    from retrograd.models import fused_head
+    assert fused_head.even_chunk_rows(288, 256) == 144
+    assert fused_head.even_chunk_rows(257, 256) == 129
+    assert fused_head.even_chunk_rows(1020, 256) == 255
+    assert fused_head.even_chunk_rows(1024, 256) == 256
+    assert fused_head.even_chunk_rows(200, 256) == 200
+    assert fused_head.even_chunk_rows(0, 256) == 1
+    for rows in range(1, 40):
+        size = fused_head.even_chunk_rows(rows, 8)
+        n = -(-rows // size)
+        assert size <= 8 and n == -(-rows // 8) and rows - (n - 1) * size >= size - n + 1
+
+    seen = []
+    call = fused_head.ChunkLogSoftmax.__call__
+    monkeypatch.setattr(fused_head.ChunkLogSoftmax, "__call__", lambda self, h: seen.append(h.shape[0]) or call(self, h))
+    torch.manual_seed(2)
+    h = torch.randn(9, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(30, 6, dtype=torch.float64)
+    y = torch.randint(0, 30, (9,))
+    got = linear_token_logprobs(h, w, y, chunk_size=4)
+    assert seen == [3, 3, 3]
+    assert torch.allclose(got, reference(h, w, y), atol=1e-12)
