@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from retrograd.models.load import load_model
 from retrograd.models.lora import attach_lora
 from retrograd.models.logprobs import Scorer
-from retrograd.models.packed import attention_bias, grid_slots, matmul_attention, packed_index, scatter_rows
+from retrograd.models.packed import (_to_grid, attention_bias, grid_slots, matmul_attention, packed_index, scatter_rows,
+                                     sdpa_grouped)
 from retrograd.train.policy_update import collate
 from tiny import random_lora
 
@@ -80,16 +81,26 @@ def test_right_padded_rows_run_packed_with_the_plain_values_and_gradients(tiny_m
     assert torch.allclose(packed_scorer.loss_sum(sft), reference.loss_sum(sft), rtol=1e-6)
 
 
-def test_unpadded_and_left_padded_batches_keep_the_plain_forward(tiny_model, monkeypatch):
+def test_unpadded_batches_run_packed_and_left_padded_ones_keep_the_plain_forward(tiny_model, monkeypatch):
+    """Rows without padding (SFT's) run packed, with transformers' values and gradients, the whole model
+    trained included (the norms' own backward); left padding keeps the plain forward (causal attention
+    alone would not mask it)."""
     loaded, model = random_lora(tiny_model)
+    ids = torch.randint(3, 200, (2, 6))
+    unpadded = {"input_ids": ids, "attention_mask": None, "labels": ids.clone().index_fill_(1, torch.tensor([0, 1]), -100)}
+    assert_packed_logprobs_equal_plain(model, Scorer(model), unpadded)
+    for p in model.parameters():  # every weight trained: the RMSNorms' weights get gradients too
+        p.requires_grad_(True)
+    assert_packed_logprobs_equal_plain(model, Scorer(model), unpadded)
     scorer = Scorer(model)
     calls = []
-    monkeypatch.setattr(scorer.packer, "run", lambda *a, **k: calls.append(1))
-    ids = torch.randint(3, 200, (2, 6))
-    scorer.hidden({"input_ids": ids, "attention_mask": None})  # nothing padded: one plain pass
+    run = scorer.packer.run
+    monkeypatch.setattr(scorer.packer, "run", lambda *a, **k: calls.append(1) or run(*a, **k))
+    scorer.hidden(unpadded)
+    assert calls == [1]
     left = torch.tensor([[0, 1, 1, 1, 1, 1], [1] * 6])
-    scorer.hidden({"input_ids": ids, "attention_mask": left})  # left padding: causal alone would not mask it
-    assert calls == []
+    scorer.hidden({"input_ids": ids, "attention_mask": left})
+    assert calls == [1]
 
 
 def test_packing_steps_aside_for_checkpointing_and_runs_eager_models_with_matmul_attention(tiny_model):
@@ -246,3 +257,50 @@ def test_packed_forward_with_biases_rope_scaling_bf16_and_lora_dropout(tmp_path)
             got = scorer.hidden(batch)[real].float()
             want = plain(Scorer(model)).hidden(batch)[real].float()
         assert torch.allclose(got, want, atol=atol), (dtype, (got - want).abs().max())
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_grouped_sdpa_equals_attention_over_keys_copied_per_query_head(masked):
+    """sdpa_grouped lets each key/value head serve its query heads inside the kernel; against SDPA over
+    keys and values repeated per query head (transformers' repeat_kv): same output, same gradients of q,
+    k and v to float32 rounding (the kernel sums a group's key gradients in another order)."""
+    torch.manual_seed(0)
+    R, H, KV, W, P, D = 2, 6, 2, 9, 4, 8
+    q = torch.randn(R, H, W, D, requires_grad=True)
+    k = torch.randn(R, KV, P + W, D, requires_grad=True)
+    v = torch.randn(R, KV, P + W, D, requires_grad=True)
+    mask = None
+    if masked:  # every query sees the P past keys and its own causal prefix; row 1 also hides key 2
+        allowed = torch.ones(W, P + W, dtype=torch.bool).tril(P)
+        mask = torch.zeros(R, 1, W, P + W).masked_fill(~allowed, float("-inf"))
+        mask[1, :, :, 2] = float("-inf")
+    else:
+        k, v = (t[:, :, P:].detach().requires_grad_() for t in (k, v))
+    weight = torch.randn(R, H, W, D)
+
+    def run(attend):
+        q.grad = k.grad = v.grad = None
+        out = attend()
+        (out * weight).sum().backward()
+        return [out.detach(), q.grad.clone(), k.grad.clone(), v.grad.clone()]
+
+    got = run(lambda: sdpa_grouped(q, k, v, mask, 0.3))
+    want = run(lambda: F.scaled_dot_product_attention(q, k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1),
+                                                      attn_mask=mask, is_causal=mask is None, scale=0.3))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_a_grid_without_padding_is_a_view_of_the_tokens():
+    """Full rows (SFT's) scatter nothing: the grid is the tokens' own memory, so no zeros are written and
+    backward gathers nothing; with padding the real tokens land at their slots and padding is zero."""
+    t = torch.randn(6, 2, 4)
+    full = torch.ones(2, 3, dtype=torch.bool)
+    grid = _to_grid(t, grid_slots(full), 2, 3)
+    assert grid.shape == (2, 2, 3, 4) and grid.data_ptr() == t.data_ptr()
+    torch.testing.assert_close(grid, t.view(2, 3, 2, 4).transpose(1, 2), rtol=0, atol=0)
+    padded = torch.tensor([[True, True, False], [True, True, True]])
+    grid = _to_grid(t[:5], grid_slots(padded), 2, 3)
+    assert grid.data_ptr() != t.data_ptr()
+    assert torch.equal(grid[0, :, 2], torch.zeros(2, 4))
+    assert torch.equal(grid[1, :, 2], t[4])

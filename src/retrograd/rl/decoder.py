@@ -34,6 +34,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from retrograd.models.packed import sdpa_grouped
+
 SUPPORTED = {"llama", "mistral", "qwen2"}
 _PREPARED: dict[int, dict] = {}  # id(first source tensor) -> {slot: (versions, kind, tensor)}; see _prepared
 
@@ -238,8 +240,7 @@ class LlamaDecoder:
             if past:
                 k = torch.cat([past[i][0].expand(n, -1, -1, -1), k], 2)
                 v = torch.cat([past[i][1].expand(n, -1, -1, -1), v], 2)
-            att = F.scaled_dot_product_attention(q, k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1),
-                                                 attn_mask=mask, scale=1.0)
+            att = sdpa_grouped(q, k, v, mask, 1.0)
             h = h + o(att.transpose(1, 2).reshape(n, width, H * D))
             h = self._mlp(h, gu, down)
         return h, kv
