@@ -87,8 +87,10 @@ def _plain_llama_norm(norm) -> bool:
 
 def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """norm(x) for a model's RMSNorm module: through _RmsNorm when it is transformers' LlamaRMSNorm
-    with its own forward and autograd is recording, else the module itself."""
-    if (torch.compiler.is_compiling() or not torch.is_grad_enabled()
+    with its own forward and autograd is recording, else the module itself. A float64 model (a reference run in
+    tests) keeps the module's own autograd, so its gradients stay those of transformers' ops exactly (the
+    written-out backward agrees with them only to float32 rounding, as the module computes in float32)."""
+    if (torch.compiler.is_compiling() or not torch.is_grad_enabled() or x.dtype == torch.float64
             or not (x.requires_grad or norm.weight.requires_grad) or not _plain_llama_norm(norm)):
         return norm(x)
     return _RmsNorm.apply(x, norm.weight, norm.variance_epsilon)
