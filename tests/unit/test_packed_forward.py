@@ -87,7 +87,8 @@ def test_unpadded_batches_run_packed_and_left_padded_ones_keep_the_plain_forward
     alone would not mask it)."""
     loaded, model = random_lora(tiny_model)
     ids = torch.randint(3, 200, (2, 6))
-    unpadded = {"input_ids": ids, "attention_mask": None, "labels": ids.clone().index_fill_(1, torch.tensor([0, 1]), -100)}
+    labels = ids.clone().index_fill_(1, torch.tensor([0, 1]), -100)  # 4 labelled tokens a row
+    unpadded = {"input_ids": ids, "attention_mask": None, "labels": labels}
     assert_packed_logprobs_equal_plain(model, Scorer(model), unpadded)
     for p in model.parameters():  # every weight trained: the RMSNorms' weights get gradients too
         p.requires_grad_(True)
@@ -285,7 +286,8 @@ def test_grouped_sdpa_equals_attention_over_keys_copied_per_query_head(masked):
         return [out.detach(), q.grad.clone(), k.grad.clone(), v.grad.clone()]
 
     got = run(lambda: sdpa_grouped(q, k, v, mask, 0.3))
-    want = run(lambda: F.scaled_dot_product_attention(q, k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1),
+    copies = H // KV
+    want = run(lambda: F.scaled_dot_product_attention(q, k.repeat_interleave(copies, 1), v.repeat_interleave(copies, 1),
                                                       attn_mask=mask, is_causal=mask is None, scale=0.3))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

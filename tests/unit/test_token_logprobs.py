@@ -83,7 +83,8 @@ def test_rows_split_into_even_chunks(monkeypatch):
 
     seen = []
     call = fused_head.ChunkLogSoftmax.__call__
-    monkeypatch.setattr(fused_head.ChunkLogSoftmax, "__call__", lambda self, h: seen.append(h.shape[0]) or call(self, h))
+    monkeypatch.setattr(fused_head.ChunkLogSoftmax, "__call__",
+                        lambda self, h: seen.append(h.shape[0]) or call(self, h))
     torch.manual_seed(2)
     h = torch.randn(9, 6, dtype=torch.float64, requires_grad=True)
     w = torch.randn(30, 6, dtype=torch.float64)

@@ -20,6 +20,8 @@ expressions: inductor fuses those itself.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -78,11 +80,18 @@ class _RmsNorm(torch.autograd.Function):
         return dx, dw, None
 
 
-def _plain_llama_norm(norm) -> bool:
+@functools.lru_cache(maxsize=None)
+def _plain_llama_norm_class(cls: type) -> bool:
+    """cls is LlamaRMSNorm or a subclass whose forward is, bytecode for bytecode, LlamaRMSNorm's (asked once
+    a class: the packed forward asks for every norm of every pass)."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
-    forward = getattr(type(norm), "forward", None)
-    return (isinstance(norm, LlamaRMSNorm) and "forward" not in vars(norm) and forward is not None
+    forward = getattr(cls, "forward", None)
+    return (issubclass(cls, LlamaRMSNorm) and forward is not None
             and forward.__code__.co_code == LlamaRMSNorm.forward.__code__.co_code)
+
+
+def _plain_llama_norm(norm) -> bool:
+    return "forward" not in vars(norm) and _plain_llama_norm_class(type(norm))
 
 
 def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

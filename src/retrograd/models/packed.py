@@ -8,11 +8,11 @@ are right-padded to the longest row. Here the token-wise work (embedding, RMSNor
 the residual adds, the final norm) runs on the N real tokens as one [1, N, H] batch, and only attention
 sees the padded grid: each layer scatters its queries, keys and values into [R, W] (zeros at padding),
 attends with the caller's mask, and gathers the real positions back. The modules are
-the model's own (PEFT's LoRA layers, the lean MLP, the RMSNorms' weights, the rotary embedding), called on a
-different leading shape, so LoRA, its dropout and the gradients are unchanged; attention's maths is
-transformers' (RoPE, each key/value head serving its group of query heads, the same scale), and a padded key is always
-masked, so a real token's values are those of the plain forward up to float rounding (tested, values
-and gradients, against transformers' forward). Rows without padding (SFT's) run here too: their grid is
+the model's own (PEFT's LoRA layers, the lean MLP, the RMSNorms' weights, the rotary embedding), called
+on a different leading shape, so LoRA, its dropout and the gradients are unchanged; attention's maths is
+transformers' (RoPE, each key/value head serving its group of query heads, the same scale), and a padded
+key is always masked, so a real token's values are those of the plain forward up to float rounding
+(tested, values and gradients, against transformers' forward). Rows without padding (SFT's) run here too: their grid is
 a view of the tokens (nothing scattered or gathered), and the layers' RoPE and RMSNorms are
 models/lean_ops.py's, with fewer kernels than transformers' op-by-op forward.
 
@@ -54,6 +54,10 @@ from retrograd.models.lean_ops import rms_norm, rope
 
 PACKED_MODELS = ("llama",)
 MATMUL_ATTENTION_MAX_KEYS = 512
+# SDPA's enable_gqa (torch >= 2.5) lets each key/value head serve its group of query heads inside the
+# kernel; before, the keys and values are copied per query head (repeat_interleave) and backward sums the
+# copies' gradients back
+_SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 # decoder -> its compiled _layers ([training] compile; compile_training_passes)
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -147,12 +151,6 @@ def _layers(decoder, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Te
         h = h + attn.o_proj(out[None])
         h = h + layer.mlp(rms_norm(layer.post_attention_layernorm, h))
     return rms_norm(decoder.norm, h)[0], kept
-
-
-# SDPA's enable_gqa (torch >= 2.5) lets each key/value head serve its group of query heads inside the
-# kernel; before, the keys and values are copied per query head (repeat_interleave) and backward sums the
-# copies' gradients back
-_SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 def sdpa_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
