@@ -8,8 +8,9 @@ import torch.nn.functional as F
 from retrograd.models.load import load_model
 from retrograd.models.lora import attach_lora
 from retrograd.models.logprobs import Scorer
-from retrograd.models.packed import (_to_grid, attention_bias, grid_slots, matmul_attention, packed_index, scatter_rows,
-                                     sdpa_grouped)
+import retrograd.models.packed as packed
+from retrograd.models.packed import (_to_grid, attention_bias, causal_half_biases, causal_halves_attention, causal_split,
+                                     grid_slots, matmul_attention, packed_index, scatter_rows, sdpa_grouped)
 from retrograd.train.policy_update import collate
 from tiny import random_lora
 
@@ -161,6 +162,50 @@ def test_matmul_attention_equals_sdpa_with_grouped_heads_masks_and_past():
     with torch.no_grad():
         bias = attention_bias(cases[1][0], rows, width, past + width, kv_heads, groups, torch.float64)
         assert torch.isfinite(matmul_attention(q, k, v, bias, 0.3)).all()
+
+
+@pytest.mark.parametrize("width", [7, 8])
+def test_causal_halves_attention_equals_one_causal_product(width):
+    """The causal attention in two halves of the queries (the first half never reads the second half of the
+    keys) against one causal matmul_attention, in float64: values and gradients of q, k and v, an odd
+    width included (3 + 4 queries)."""
+    torch.manual_seed(1)
+    rows, heads, kv_heads, dim = 2, 6, 2, 4
+    groups = heads // kv_heads
+    q = torch.randn(rows, heads, width, dim, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(rows, kv_heads, width, dim, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    coef = torch.randn(rows, heads, width, dim, dtype=torch.float64)
+    split = width // 2
+    biases = causal_half_biases(rows, width, split, kv_heads, groups, torch.float64)
+    assert [tuple(b.shape) for b in biases] == [(groups * split, split), (groups * (width - split), width)]
+    results = []
+    for attend in (lambda: causal_halves_attention(q, k, v, biases, 0.3),
+                   lambda: matmul_attention(q, k, v, attention_bias(None, rows, width, width, kv_heads, groups,
+                                                                    torch.float64), 0.3)):
+        q.grad = k.grad = v.grad = None
+        out = attend()
+        (out * coef).sum().backward()
+        results.append((out.detach(), q.grad.clone(), k.grad.clone(), v.grad.clone()))
+    for got, want in zip(*results):
+        assert torch.allclose(got, want, atol=1e-12)
+
+
+def test_causal_split_threshold_and_the_packed_forward_through_the_halves(tiny_model, monkeypatch):
+    """Passes of at least CAUSAL_SPLIT_MIN_WIDTH causal queries split them; a model on matmul attention (eager)
+    then runs every layer's attention in halves, with transformers' values and gradients."""
+    assert causal_split(packed.CAUSAL_SPLIT_MIN_WIDTH - 1) == 0
+    assert causal_split(packed.CAUSAL_SPLIT_MIN_WIDTH + 1) == packed.CAUSAL_SPLIT_MIN_WIDTH // 2
+    monkeypatch.setattr(packed, "CAUSAL_SPLIT_MIN_WIDTH", 4)
+    calls = []
+    halves = packed.causal_halves_attention
+    monkeypatch.setattr(packed, "causal_halves_attention", lambda *a: calls.append(1) or halves(*a))
+    loaded, model = random_lora(tiny_model)
+    model.config._attn_implementation = "eager"
+    ids = torch.randint(3, 200, (2, 9))
+    labels = ids.clone().index_fill_(1, torch.arange(5), -100)  # 4 labelled tokens a row
+    unpadded = {"input_ids": ids, "attention_mask": None, "labels": labels}
+    assert_packed_logprobs_equal_plain(model, Scorer(model), unpadded)
+    assert len(calls) == model.config.num_hidden_layers
 
 
 def test_attention_bias_by_hand():

@@ -28,6 +28,14 @@ tiles win and the [H, W, K] probabilities that backward keeps grow. In float32 S
 form was 0-15 % faster in isolation, not worth its probabilities' memory (~140 MB a 512-token pass of
 SmolLM2, 8 % of SFT LoRA's peak; in bf16, 71 MB).
 
+A causal pass without a past (SFT's rows) of at least CAUSAL_SPLIT_MIN_WIDTH queries attends in two halves
+(`causal_halves_attention`): the first half of the queries against the first half of the keys only, the
+second against all, skipping the product that the causal mask would zero entirely: a quarter less work in
+the products and the softmax, and a quarter less of the probabilities kept for backward (bf16 [2, 256]
+SFT pass of SmolLM2 on the AVX-512 EPYC: forward + backward of one layer's attention 4.3 against 5.5 ms in
+isolation; the whole pass 2.5 % faster, median of 20 interleaved pairs). In float32 the halves against
+SDPA's flash kernel were 1.4 % faster on that pass (16 pairs), for +106 MB of probabilities: SDPA stays.
+
 `PackedForward(decoder).supported()` says whether it applies now: a plain Llama (`llama`), SDPA or eager
 as the attention, no attention dropout, no gradient checkpointing. Otherwise the caller uses the model's
 own forward. `matmul_attention_for(keys)` says which attention a pass over `keys` keys runs.
@@ -54,6 +62,8 @@ from retrograd.models.lean_ops import rms_norm, rope
 
 PACKED_MODELS = ("llama",)
 MATMUL_ATTENTION_MAX_KEYS = 512
+# causal matmul attention splits its queries in two halves from this many queries on (causal_halves_attention)
+CAUSAL_SPLIT_MIN_WIDTH = 64
 # SDPA's enable_gqa (torch >= 2.5) lets each key/value head serve its group of query heads inside the
 # kernel; before, the keys and values are copied per query head (repeat_interleave) and backward sums the
 # copies' gradients back
@@ -123,8 +133,12 @@ def _layers(decoder, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Te
     kept = []
     keys = width + (past[0][0].shape[2] if past else 0)
     # matmul attention's additive bias, once a pass: [G * W, K] causal, or the caller's mask per row
-    # and key-value head [R * KV, G * W, K]
-    bias = attention_bias(mask, rows, width, keys, KV, groups, h.dtype, h.device) if matmul_attention_ else None
+    # and key-value head [R * KV, G * W, K]; causal without past: one per half of the queries (causal_halves)
+    bias = None
+    if matmul_attention_:
+        split = causal_split(width) if mask is None and past is None else 0
+        bias = (causal_half_biases(rows, width, split, KV, groups, h.dtype, h.device) if split
+                else attention_bias(mask, rows, width, keys, KV, groups, h.dtype, h.device))
     for i, layer in enumerate(decoder.layers[:cfg.num_hidden_layers]):  # as transformers' loop
         attn = layer.self_attn
         x = rms_norm(layer.input_layernorm, h)
@@ -138,7 +152,9 @@ def _layers(decoder, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Te
             v = torch.cat([pv.expand(rows, -1, -1, -1), v], 2)
         if keep_kv:
             kept.append((k, v))
-        if bias is not None:
+        if isinstance(bias, tuple):
+            out = causal_halves_attention(q, k, v, bias, attn.scaling)
+        elif bias is not None:
             out = matmul_attention(q, k, v, bias, attn.scaling)
         else:
             out = sdpa_grouped(q, k, v, mask, attn.scaling)
@@ -199,6 +215,33 @@ def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
                            k.reshape(rows * kv_heads, keys, dim).transpose(1, 2), alpha=scale)
     out = torch.bmm(torch.softmax(scores, -1), v.reshape(rows * kv_heads, keys, dim))
     return out.view(rows, heads, width, dim)
+
+
+def causal_split(width: int) -> int:
+    """Where causal_halves_attention splits `width` queries (0: not worth splitting, one product)."""
+    return width // 2 if width >= CAUSAL_SPLIT_MIN_WIDTH else 0
+
+
+def causal_half_biases(rows: int, width: int, split: int, kv_heads: int, groups: int, dtype: torch.dtype,
+                       device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """causal_halves_attention's two causal biases: queries [0, split) over keys [0, split), queries [split,
+    width) over every key."""
+    return (attention_bias(None, rows, split, split, kv_heads, groups, dtype, device),
+            attention_bias(None, rows, width - split, width, kv_heads, groups, dtype, device))
+
+
+def causal_halves_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            biases: tuple[torch.Tensor, torch.Tensor], scale: float) -> torch.Tensor:
+    """matmul_attention under a causal mask without a past, with the first half of the queries against the
+    first half of the keys only: a query never sees a later key, so the product of the first half of the
+    queries with the second half of the keys is all masked. Skipping it saves a quarter of the products'
+    work, of the softmax's and of the probabilities backward keeps. Same values as one causal product (a
+    masked score's weight is exactly 0 either way; tested). q [R, H, W, D], k / v [R, KV, W, D] ->
+    [R, H, W, D]. biases: causal_half_biases."""
+    split = biases[0].shape[-1]
+    first = matmul_attention(q[:, :, :split], k[:, :, :split], v[:, :, :split], biases[0], scale)
+    second = matmul_attention(q[:, :, split:], k, v, biases[1], scale)
+    return torch.cat([first, second], 2)
 
 
 def _to_grid(t: torch.Tensor, slots: torch.Tensor, rows: int, width: int) -> torch.Tensor:
