@@ -32,8 +32,9 @@ from retrograd.models.layout import (PADDING, PROMPT, additive_mask, pack_comple
                                      prompt_led_attention_mask, prompts_lead_rows, shared_prefix_length, split_prompts)
 from retrograd.models.packed import PackedForward, packed_index, scatter_rows
 
-# rows of logits alive at once in the fused head: 256 x 49k vocabulary x 4 B = 50 MB (1,024 rows
-# cost ~250 MB more peak memory and were no faster)
+# rows of logits alive at once in the fused head, nominally: 256 x 49k vocabulary x 4 B = 50 MB (1,024 rows
+# cost ~250 MB more peak memory and were no faster); a call's chunks hold 0.75-1.5x this many rows
+# (fused_head.even_chunk_rows), so at most 384 (75 MB)
 CE_CHUNK_ROWS = 256
 # configs that transform logits after the head; those models take the plain full-logits path
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale", "logits_scaling")
