@@ -133,7 +133,8 @@ def _layers(decoder, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Te
     kept = []
     keys = width + (past[0][0].shape[2] if past else 0)
     # matmul attention's additive bias, once a pass: [G * W, K] causal, or the caller's mask per row
-    # and key-value head [R * KV, G * W, K]; causal without past: one per half of the queries (causal_halves)
+    # and key-value head [R * KV, G * W, K]; causal without past: one per half of the queries
+    # (causal_halves_attention, which a tuple of biases selects)
     bias = None
     if matmul_attention_:
         split = causal_split(width) if mask is None and past is None else 0
