@@ -130,11 +130,13 @@ def machine(peak: dict | None = None) -> dict:
 
 
 def start_like_the_cli() -> None:
-    """What `retrograd`'s entry point does first (retrograd/malloc.py: glibc keeps freed memory for
-    the next pass). A worker that calls the library instead of the CLI calls this before anything else,
-    so it runs as a user's `retrograd train` does. TRL's workers keep glibc's defaults, as a user's
-    `python train.py` would."""
-    from retrograd.malloc import keep_freed_memory
+    """What `retrograd`'s entry point does first (retrograd/malloc.py: under glibc < 2.38 the process restarts
+    with the tunables that let a freed tensor's block serve its successor; glibc keeps freed memory for the
+    next pass). A worker that calls the library instead of the CLI calls this before anything else (before
+    torch is imported), so it runs as a user's `retrograd train` does. TRL's workers keep glibc's defaults,
+    as a user's `python train.py` would."""
+    from retrograd.malloc import keep_freed_memory, restart_with_reusable_blocks
+    restart_with_reusable_blocks()
     keep_freed_memory()
 
 

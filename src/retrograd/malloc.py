@@ -1,6 +1,7 @@
-"""The C allocator's process-wide settings: `keep_freed_memory`, applied once when the CLI starts.
+"""The C allocator's process-wide settings, applied when the CLI starts: `restart_with_reusable_blocks`
+(glibc tunables, which only a new process image reads) and then `keep_freed_memory` (mallopt).
 
-Kept free of torch so that `retrograd`'s entry point can apply it before anything large is allocated.
+Kept free of torch so that `retrograd`'s entry point can apply them before anything large is allocated.
 """
 from __future__ import annotations
 
@@ -14,6 +15,62 @@ MMAP_THRESHOLD_BYTES = 32 << 20
 NEVER_TRIM_BYTES = 2 ** 31 - 1
 NO_MMAPPED_BLOCKS = 0
 KEEP_FREED_MEMORY_ENV = "RETROGRAD_KEEP_FREED_MEMORY"
+# glibc 2.38 made memalign reuse freed blocks (its bug 14581), which is what these tunables work around
+REUSABLE_BLOCKS_TUNABLES = ("glibc.malloc.tcache_count=0", "glibc.malloc.mxfast=0")
+MEMALIGN_REUSE_FIXED = (2, 38)
+
+
+def _glibc_version() -> tuple[int, int] | None:
+    try:
+        name, version = os.confstr("CS_GNU_LIBC_VERSION").split()  # "glibc 2.36"
+        return (int(version.split(".")[0]), int(version.split(".")[1])) if name == "glibc" else None
+    except (AttributeError, ValueError, OSError, IndexError):
+        return None
+
+
+def reusable_blocks_tunables(environ=os.environ, glibc: tuple[int, int] | None = None) -> str | None:
+    """The GLIBC_TUNABLES value this process should run under so that a freed tensor's block serves the
+    next tensor of its size, or None where nothing is to change (already set, opted out, not glibc, or a
+    glibc whose memalign reuses blocks by itself).
+
+    PyTorch allocates every CPU tensor with posix_memalign(64, n). Before 2.38, glibc's memalign asks its
+    malloc for n + 64 + 32 bytes, cuts the block to n and frees the slivers around it into the
+    thread cache and the fast bins, where no free block is merged with its neighbours. A freed tensor then
+    leaves a hole of exactly n: too small for the next posix_memalign(64, n), so each same-sized tensor of the
+    next layer or pass is carved elsewhere and the heap grows around holes. An SFT LoRA pass of SmolLM2
+    ([2, 256], fp32) used at most ~595 MB of heap at a time while the heap grew to ~895 MB, 201 free
+    blocks of one [512, 576] activation each and 102 of one [512, 192] among them (malloc_info at the end of
+    a forward). With the thread cache and the fast bins off, the slivers are merged as they are freed,
+    a freed tensor's block is large enough for its successor, and the heap stays near what is in use:
+    peak RSS of that run 1.67-1.70 GB -> 1.39-1.48 GB (interleaved processes; losses bit for bit equal).
+    Python's own small objects do not go through either (pymalloc)."""
+    if environ.get(KEEP_FREED_MEMORY_ENV, "1").strip() == "0" or not sys.platform.startswith("linux"):
+        return None
+    glibc = glibc if glibc is not None else _glibc_version()
+    if glibc is None or glibc >= MEMALIGN_REUSE_FIXED:
+        return None
+    current = environ.get("GLIBC_TUNABLES", "")
+    if any(t.split("=")[0] in current for t in REUSABLE_BLOCKS_TUNABLES):
+        return None  # ours, from the restart, or the user's own choice: theirs wins
+    return ":".join([t for t in current.split(":") if t] + list(REUSABLE_BLOCKS_TUNABLES))
+
+
+def restart_with_reusable_blocks() -> None:
+    """Re-execute this process (same pid, arguments and environment) under `reusable_blocks_tunables`,
+    where that changes anything. glibc reads its tunables only when a process image starts, so the CLI's
+    entry point calls this first, before torch is imported: the restart costs one interpreter start-up.
+    Returns only when nothing is to change (or the exec failed, when the process goes on as it was)."""
+    tunables = reusable_blocks_tunables()
+    argv = getattr(sys, "orig_argv", None)
+    if tunables is None or not argv or not sys.executable or sys.flags.interactive:
+        return
+    os.environ["GLIBC_TUNABLES"] = tunables
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execv(sys.executable, argv)
+    except OSError:
+        return
 
 
 def keep_freed_memory() -> bool:
@@ -35,7 +92,8 @@ def keep_freed_memory() -> bool:
     process allocates much (the CLI's first step): set later, glibc's heap is already laid out by
     the model's loading and the gain did not show in an A/B.
 
-    RETROGRAD_KEEP_FREED_MEMORY=0 keeps glibc's defaults. -> whether it was set (False off Linux/glibc)."""
+    RETROGRAD_KEEP_FREED_MEMORY=0 keeps glibc's defaults, here and in `reusable_blocks_tunables`. -> whether it
+    was set (False off Linux/glibc)."""
     if os.environ.get(KEEP_FREED_MEMORY_ENV, "1").strip() == "0" or not sys.platform.startswith("linux"):
         return False
     try:

@@ -327,7 +327,9 @@ def _config_schema(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from retrograd import malloc
-    malloc.keep_freed_memory()  # first, before torch and the model allocate: see malloc.py
+    if argv is None:  # the process's own entry point (the console script, python -m retrograd)
+        malloc.restart_with_reusable_blocks()  # first of all, before torch is imported: see malloc.py
+    malloc.keep_freed_memory()  # before torch and the model allocate: see malloc.py
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
