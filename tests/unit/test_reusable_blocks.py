@@ -106,8 +106,16 @@ def heap_over_use(tunables: str | None) -> float:
 @linux_only
 @pytest.mark.skipif(_glibc_version() is None, reason="glibc's allocator")
 def test_freed_blocks_serve_their_successors_and_the_heap_stays_near_its_use():
-    ours = heap_over_use(OURS)
-    # measured 1.045 with the tunables, 1.38 with glibc 2.36's defaults
-    assert ours < 1.15, ours
+    # measured 1.046-1.056 with the tunables in every process (glibc 2.36); three processes, so that tunables
+    # which changed nothing would fail here too (each process has ~40 % odds of glibc's lucky case below)
+    ours = [heap_over_use(OURS) for _ in range(3)]
+    assert max(ours) < 1.15, ours
     if OLD_GLIBC:
-        assert heap_over_use(None) > 1.25  # the hole-per-tensor growth these tunables exist for
+        # the hole-per-tensor growth these tunables exist for. With glibc 2.36's defaults how much the heap
+        # grows depends on where address-space randomisation puts things: 1.27-1.36 in about 60 % of
+        # processes, 1.06-1.10 in the rest (with randomisation off, the same figure every time). So the
+        # defaults get up to 12 processes to show it (all 12 missing it: ~1e-5)
+        defaults = []
+        while len(defaults) < 12 and not any(r > 1.25 for r in defaults):
+            defaults.append(heap_over_use(None))
+        assert max(defaults) > 1.25, defaults
