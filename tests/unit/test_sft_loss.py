@@ -111,6 +111,32 @@ def test_chunk_log_softmax_is_the_out_of_place_result_in_one_reused_buffer():
     assert torch.equal(out, torch.log_softmax(hb @ wb.t(), dim=-1, dtype=torch.float32))
 
 
+def test_cpu_logits_are_written_in_vocabulary_blocks_equal_to_the_single_product():
+    from retrograd.models.fused_head import ChunkLogSoftmax, logits_block_columns, logits_into
+    torch.manual_seed(5)
+    h, w = torch.randn(600, 16), torch.randn(5000, 16)
+    # ~1 MB of float32 output per block: 600 rows -> 436 columns, raised to the 512 floor; the last block ragged
+    assert logits_block_columns(600, 5000) == 512 and 5000 % 512
+    assert logits_block_columns(255, 49152) == 1024 and logits_block_columns(4, 49152) == 2048
+    assert logits_block_columns(600, 300) == 300  # a vocabulary of at most one block: one product
+    calls = []
+    real_mm = torch.mm
+
+    def counting_mm(*args, **kwargs):
+        calls.append(args[1].shape)
+        return real_mm(*args, **kwargs)
+
+    out = torch.full((600, 5000), float("nan"))
+    torch.mm = counting_mm
+    try:
+        logits_into(h, w, out)
+    finally:
+        torch.mm = real_mm
+    assert [c[1] for c in calls] == [512] * 9 + [392]  # ten products, every column written once
+    assert torch.equal(out, h @ w.t())
+    assert torch.equal(ChunkLogSoftmax(w, torch.float32)(h), torch.log_softmax(h @ w.t(), dim=-1))
+
+
 def test_chunk_buffers_outlive_the_call_die_with_the_weight_and_are_per_thread():
     import gc
     import threading
