@@ -111,7 +111,7 @@ def test_chunk_log_softmax_is_the_out_of_place_result_in_one_reused_buffer():
     assert torch.equal(out, torch.log_softmax(hb @ wb.t(), dim=-1, dtype=torch.float32))
 
 
-def test_cpu_logits_are_written_in_vocabulary_blocks_equal_to_the_single_product():
+def test_cpu_logits_are_written_in_vocabulary_blocks_equal_to_the_single_product(monkeypatch):
     from retrograd.models.fused_head import ChunkLogSoftmax, logits_block_columns, logits_into
     torch.manual_seed(5)
     h, w = torch.randn(600, 16), torch.randn(5000, 16)
@@ -127,11 +127,9 @@ def test_cpu_logits_are_written_in_vocabulary_blocks_equal_to_the_single_product
         return real_mm(*args, **kwargs)
 
     out = torch.full((600, 5000), float("nan"))
-    torch.mm = counting_mm
-    try:
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "mm", counting_mm)
         logits_into(h, w, out)
-    finally:
-        torch.mm = real_mm
     assert [c[1] for c in calls] == [512] * 9 + [392]  # ten products, every column written once
     assert torch.equal(out, h @ w.t())
     assert torch.equal(ChunkLogSoftmax(w, torch.float32)(h), torch.log_softmax(h @ w.t(), dim=-1))
