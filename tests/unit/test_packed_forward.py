@@ -264,15 +264,42 @@ def test_shared_prompt_passes_packed_equal_the_plain_passes(tiny_model, monkeypa
     assert torch.allclose(got, rows.detach(), atol=1e-5)
 
 
-def test_target_logprobs_packed_equal_the_plain_forward(tiny_model):
-    """The service's per-datum log-probabilities: one right-padded pass, packed."""
+def datum_reference(model, tokens: list[int], targets: torch.Tensor) -> torch.Tensor:
+    """One Tinker datum alone, through the model's full logits (no packing, no fused head): [n] or [n, K]."""
+    logp = torch.log_softmax(model(input_ids=torch.tensor([tokens])).logits[0].float(), -1)
+    return logp.gather(1, targets[:, None])[:, 0] if targets.ndim == 1 else logp.gather(1, targets)
+
+
+@pytest.mark.parametrize("packs", [True, False])
+def test_target_logprobs_equal_each_datum_alone_in_values_and_gradients(tiny_model, monkeypatch, packs):
+    """The service's per-datum log-probabilities: one right-padded pass (packed, or transformers' forward read
+    at the real positions), the one-target datums through one fused-head call. Values and LoRA gradients of
+    a random weighting equal each datum scored alone through the full logits, soft [n, K] targets included."""
+    import retrograd.models.fused_head as fused_head
+    import retrograd.models.logprobs as logprobs
     _, model = random_lora(tiny_model)
-    rows = [([5, 6, 7, 8], torch.tensor([6, 7, 8, 9])), ([10, 11], torch.tensor([11, 12]))]
-    with torch.no_grad():
-        got = Scorer(model).target_logprobs(rows)
-        want = plain(Scorer(model)).target_logprobs(rows)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(3)
+    rows = []
+    for n in (9, 2, 13, 5, 1, 7):
+        tokens = torch.randint(3, vocab, (n,), generator=gen).tolist()
+        targets = torch.randint(3, vocab, (n, 3) if n == 5 else (n,), generator=gen)  # datum 3: soft targets
+        rows.append((tokens, targets))
+    coef = [torch.randn(t.shape, generator=gen) for _, t in rows]
+    want = [datum_reference(model, tokens, targets) for tokens, targets in rows]
+    sum((w * c).sum() for w, c in zip(want, coef)).backward()
+    want_grads = grads(model)
+    calls = []
+    monkeypatch.setattr(logprobs, "linear_token_logprobs",
+                        lambda h, *a, **k: calls.append(h.shape[0]) or fused_head.linear_token_logprobs(h, *a, **k))
+    scorer = Scorer(model) if packs else plain(Scorer(model))
+    got = scorer.target_logprobs(rows)
+    sum((g * c).sum() for g, c in zip(got, coef)).backward()
+    assert calls == [9 + 2 + 13 + 1 + 7]  # every one-target datum in one head call, the soft one beside it
     for g, w in zip(got, want):
-        assert torch.allclose(g, w, atol=1e-6)
+        assert g.shape == w.shape
+        assert torch.allclose(g, w, atol=1e-5)
+    assert_close_grads(grads(model), want_grads)
 
 
 def test_packed_forward_with_biases_rope_scaling_bf16_and_lora_dropout(tmp_path):

@@ -30,7 +30,7 @@ from retrograd.models.fused_head import (IGNORE, cross_entropy_sum_reference, li
                                          linear_token_logprobs, select_targets)
 from retrograd.models.layout import (PADDING, PROMPT, additive_mask, pack_completions, packed_attention_mask,
                                      prompt_led_attention_mask, prompts_lead_rows, shared_prefix_length, split_prompts)
-from retrograd.models.packed import PackedForward, packed_index, scatter_rows
+from retrograd.models.packed import PackedForward, grid_slots, packed_index, scatter_rows
 
 # rows of logits alive at once in the fused head, nominally: 256 x 49k vocabulary x 4 B = 50 MB (1,024 rows
 # cost ~250 MB more peak memory and were no faster); a call's chunks hold 0.75-1.5x this many rows
@@ -104,19 +104,39 @@ class Scorer:
         interleaved: 1.38 against 1.45 s for a [2, 256] LoRA pass forward + backward, 4.00 against 4.18 s
         for a [4, 256] pass training every weight)."""
         ids, attention = batch["input_ids"], batch["attention_mask"]
-        if self.packs:
-            rows, width = ids.shape
-            columns = torch.arange(width, device=ids.device)
-            if attention is None:
-                real = torch.ones(rows, width, dtype=torch.bool, device=ids.device)
-            else:
-                real = attention.bool()
-                if not torch.equal(real, columns[None] < real.sum(1, keepdim=True)):
-                    real = None  # not right-padded: causal attention would not mask the padding
-            if real is not None:
-                h, slots, _ = self.packer.run(ids, columns.expand(rows, -1), real)
-                return scatter_rows(h, slots, rows, width)
+        packed = self._packed_pass(ids, attention)
+        if packed is not None:
+            h, slots = packed
+            return scatter_rows(h, slots, *ids.shape)
         return self.decoder(input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state  # [B, T, H]
+
+    def real_hidden(self, ids: torch.Tensor, attention: torch.Tensor | None) -> torch.Tensor:
+        """[N, H] final hidden states of the real tokens of right-padded rows, one row after another (what
+        hidden() holds at those positions). Where the pass packs, these are the packed forward's own states,
+        with no [B, T, H] grid scattered and gathered back; else hidden()'s, read at the real positions."""
+        packed = self._packed_pass(ids, attention)
+        if packed is not None:
+            return packed[0]  # slots run row by row, as the real tokens here
+        h = self.hidden({"input_ids": ids, "attention_mask": attention})
+        if attention is None:
+            return h.reshape(-1, h.shape[-1])
+        return h.reshape(-1, h.shape[-1]).index_select(0, grid_slots(attention.bool()))
+
+    def _packed_pass(self, ids: torch.Tensor, attention: torch.Tensor | None):
+        """(the real tokens' final hidden states [N, H], their grid slots [N]) through the packed forward, or
+        None where this pass cannot pack (the model, or rows that are not right-padded)."""
+        if not self.packs:
+            return None
+        rows, width = ids.shape
+        columns = torch.arange(width, device=ids.device)
+        if attention is None:
+            real = torch.ones(rows, width, dtype=torch.bool, device=ids.device)
+        else:
+            real = attention.bool()
+            if not torch.equal(real, columns[None] < real.sum(1, keepdim=True)):
+                return None  # not right-padded: causal attention would not mask the padding
+        h, slots, _ = self.packer.run(ids, columns.expand(rows, -1), real)
+        return h, slots
 
     def logits(self, batch: dict) -> torch.Tensor:
         return self.base(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
@@ -375,22 +395,35 @@ class Scorer:
 
     def target_logprobs(self, rows: list[tuple[list[int], torch.Tensor]]) -> list[torch.Tensor]:
         """Tinker datums (input tokens, target_tokens [N] or [N, K]) -> log p(target) per datum: [N], or
-        [N, K] for soft targets (their K log-probabilities at each position). One right-padded pass."""
-        width = max(len(t) for t, _ in rows)
+        [N, K] for soft targets (their K log-probabilities at each position). One right-padded pass; the
+        datums with one target a position share the fused head's chunks (CE_CHUNK_ROWS rows each) instead
+        of one head call a datum: a thin call runs the [C, H] x [H, V] product below the matmul peak, and
+        each datum's slice of a [B, T, H] grid cost its backward a [B, T, H] zero fill; the head reads its
+        whole weight every call (113 MB for SmolLM2's). The same values up to float rounding: a row's
+        log-softmax is its own. SmolLM2 fp32 LoRA forward + backward on a 2-core AVX-512 EPYC, interleaved
+        (benchmarks/ab_target_logprobs.py): 64 datums of 8-24 tokens 4.06 against 5.60 s, 32 of 20-60 5.15
+        against 5.83, 8 of 100-300 6.05 against 6.18; 4 of 255 (already one chunk each) 4.18 against 4.13."""
+        lengths = [len(t) for t, _ in rows]
+        width = max(lengths)
         ids = torch.zeros((len(rows), width), dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for r, (tokens, _) in enumerate(rows):
             ids[r, :len(tokens)] = torch.tensor(tokens)
             mask[r, :len(tokens)] = 1
         padded = bool((mask == 0).any())
-        hidden = self.hidden({"input_ids": ids, "attention_mask": mask if padded else None})  # [B, T, H]
-        out = []
-        for r, (tokens, targets) in enumerate(rows):
-            h = hidden[r, :len(tokens)]
-            if targets.ndim == 1:
-                out.append(linear_token_logprobs(h, self.head.weight, targets))
-            else:  # [N, K] soft targets: the K log-probs of each position
-                out.append(torch.log_softmax((h @ self.head.weight.t()).float(), dim=-1).gather(1, targets))
+        every = self.real_hidden(ids, mask if padded else None)  # [N, H], datum after datum
+        states = every.split(lengths)
+        out: list = [None] * len(rows)
+        hard = [r for r, (_, targets) in enumerate(rows) if targets.ndim == 1]
+        if hard:
+            h = every if len(hard) == len(rows) else torch.cat([states[r] for r in hard])
+            y = torch.cat([rows[r][1] for r in hard])
+            lp = linear_token_logprobs(h, self.head.weight, y, chunk_size=CE_CHUNK_ROWS)
+            for r, part in zip(hard, lp.split([lengths[r] for r in hard])):
+                out[r] = part
+        for r, (_, targets) in enumerate(rows):
+            if targets.ndim != 1:  # [N, K] soft targets: the K log-probs of each position
+                out[r] = torch.log_softmax((states[r] @ self.head.weight.t()).float(), dim=-1).gather(1, targets)
         return out
 
     @torch.no_grad()
