@@ -74,16 +74,10 @@ def main() -> None:
     p.add_argument("--out", help="results folder (default benchmarks/results; $TMPDIR/bench_out with --smoke)")
     p.add_argument("--smoke", action="store_true", help="a tiny random Llama: checks the plumbing")
     args = p.parse_args()
-    common.start_like_the_cli()
-    import torch
+    model, peak = common.in_process_lora_model(args.smoke, layout.SEED, layout.BUILTIN)
     from retrograd.models import fused_head
     from retrograd.models.logprobs import Scorer
-    torch.set_num_threads(common.THREADS)
-    common.warn_if_busy()
-    peak = common.matmul_peak()
-    model = common.retrograd_lora_model(args.smoke, layout.SEED, layout.BUILTIN, "float32")
     scorer, cfg = Scorer(model), model.config
-    cfg._attn_implementation = "sdpa"
     blocked = fused_head.logits_block_columns
 
     def side(name: str):

@@ -41,16 +41,10 @@ LOGPROB_TOL, GRAD_TOL = 1e-4, 1e-3
 
 def per_datum(scorer, rows):
     """Scorer.target_logprobs before 2026-12-07 (one-target datums): one head call per datum."""
-    import torch
     from retrograd.models.fused_head import linear_token_logprobs
-    width = max(len(t) for t, _ in rows)
-    ids = torch.zeros((len(rows), width), dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for r, (tokens, _) in enumerate(rows):
-        ids[r, :len(tokens)] = torch.tensor(tokens)
-        mask[r, :len(tokens)] = 1
-    padded = bool((mask == 0).any())
-    hidden = scorer.hidden({"input_ids": ids, "attention_mask": mask if padded else None})
+    from retrograd.models.logprobs import datum_grid
+    ids, mask = datum_grid(rows)
+    hidden = scorer.hidden({"input_ids": ids, "attention_mask": mask})
     return [linear_token_logprobs(hidden[r, :len(tokens)], scorer.head.weight, targets)
             for r, (tokens, targets) in enumerate(rows)]
 
@@ -92,14 +86,8 @@ def main() -> None:
     p.add_argument("--out", help="results folder (default benchmarks/results; $TMPDIR/bench_out with --smoke)")
     p.add_argument("--smoke", action="store_true", help="a tiny random Llama: checks the plumbing")
     args = p.parse_args()
-    common.start_like_the_cli()
-    import torch
+    model, peak = common.in_process_lora_model(args.smoke, layout.SEED, layout.BUILTIN)
     from retrograd.models.logprobs import Scorer
-    torch.set_num_threads(common.THREADS)
-    common.warn_if_busy()
-    peak = common.matmul_peak()
-    model = common.retrograd_lora_model(args.smoke, layout.SEED, layout.BUILTIN, "float32")
-    model.config._attn_implementation = "sdpa"
     sides = {"shared": Scorer.target_logprobs, "per_datum": per_datum}
     results = {}
     for i, (case, shape) in enumerate((SMOKE_CASES if args.smoke else CASES).items()):

@@ -140,6 +140,20 @@ def start_like_the_cli() -> None:
     keep_freed_memory()
 
 
+def in_process_lora_model(smoke: bool, seed: int, builtin: str, dtype: str = "float32"):
+    """An in-process A/B's start: the CLI's allocator settings (before torch is imported), THREADS torch
+    threads, a warning when the machine is busy, the matmul peak, then SmolLM2 + LoRA (retrograd_lora_model)
+    under SDPA. -> (model, peak)."""
+    start_like_the_cli()
+    import torch
+    torch.set_num_threads(THREADS)
+    warn_if_busy()
+    peak = matmul_peak()
+    model = retrograd_lora_model(smoke, seed, builtin, dtype)
+    model.config._attn_implementation = "sdpa"
+    return model, peak
+
+
 def warn_if_busy(what: str = "") -> None:
     load = os.getloadavg()[0]
     if load > 2:

@@ -65,6 +65,18 @@ def base_and_decoder(model):
     return base, getattr(base, base.base_model_prefix)
 
 
+def datum_grid(rows: list[tuple[list[int], object]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(input tokens, anything) per datum -> (ids [B, W], the attention mask [B, W], or None where no datum is
+    padded): the datums right-padded to the longest."""
+    width = max(len(tokens) for tokens, _ in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, (tokens, _) in enumerate(rows):
+        ids[r, :len(tokens)] = torch.tensor(tokens)
+        mask[r, :len(tokens)] = 1
+    return ids, (mask if bool((mask == 0).any()) else None)
+
+
 class Scorer:
     def __init__(self, model):
         base, self.decoder = base_and_decoder(model)
@@ -404,14 +416,7 @@ class Scorer:
         (benchmarks/ab_target_logprobs.py): 64 datums of 8-24 tokens 4.06 against 5.60 s, 32 of 20-60 5.15
         against 5.83, 8 of 100-300 6.05 against 6.18; 4 of 255 (already one chunk each) 4.18 against 4.13."""
         lengths = [len(t) for t, _ in rows]
-        width = max(lengths)
-        ids = torch.zeros((len(rows), width), dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, (tokens, _) in enumerate(rows):
-            ids[r, :len(tokens)] = torch.tensor(tokens)
-            mask[r, :len(tokens)] = 1
-        padded = bool((mask == 0).any())
-        every = self.real_hidden(ids, mask if padded else None)  # [N, H], datum after datum
+        every = self.real_hidden(*datum_grid(rows))  # [N, H], datum after datum
         states = every.split(lengths)
         out: list = [None] * len(rows)
         hard = [r for r, (_, targets) in enumerate(rows) if targets.ndim == 1]
