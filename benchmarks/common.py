@@ -98,35 +98,50 @@ PEAK_SHAPES = ((2048, 2048, 2048), (512, 576, 1536), (512, 1536, 576))
 
 
 def matmul_peak(n: int = 2048, threads: int = THREADS, reps: int = 5) -> dict:
-    """GFLOP/s of plain torch matmuls, best of `reps` after a warm-up: "fp32" the best over
-    PEAK_SHAPES (each one's in "fp32_shapes"), "bf16" a square [n, n] product. The best, not the
-    mean: it is what the hardware can do, the ceiling a training step is held to. Without native bf16
-    the bf16 product is measured at 512 x 512 (twice): at 2048 it runs at ~1 GFLOP/s on such a CPU
-    (an avx2-only AMD EPYC) and would take minutes."""
+    """GFLOP/s of plain matmuls, best of `reps` after a warm-up: "fp32" the best over PEAK_SHAPES and both
+    float32 GEMM libraries torch ships (its default `a @ b`, MKL, and oneDNN's linear, which retrograd uses
+    where it is faster: models/cpu_gemm.py; each shape's best in "fp32_shapes", each library's best in
+    "fp32_libraries"), "bf16" a square [n, n] product. The best, not the mean: it is what the hardware can
+    do, the ceiling a training step is held to. Without native bf16 the bf16 product is measured at
+    512 x 512 (twice): at 2048 it runs at ~1 GFLOP/s on such a CPU (an avx2-only AMD EPYC) and would take
+    minutes."""
     import torch
     torch.set_num_threads(threads)
 
-    def best(m: int, k: int, cols: int, dtype, tries: int) -> float:
+    def onednn(a, b):
+        return torch.ops.mkldnn._linear_pointwise(a, b.t(), None, "none", [], "")
+
+    def best(m: int, k: int, cols: int, dtype, tries: int, product=torch.matmul) -> float:
         a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, cols, dtype=dtype)
-        a @ b  # the first call picks and prepares the kernel
+        try:
+            product(a, b)  # the first call picks and prepares the kernel
+        except (RuntimeError, AttributeError):  # a torch build without oneDNN's op
+            return 0.0
         fastest = float("inf")
         for _ in range(tries):
             t = time.perf_counter()
-            a @ b
+            product(a, b)
             fastest = min(fastest, time.perf_counter() - t)
         return 2 * m * k * cols / fastest / 1e9
-    shapes = {"x".join(map(str, (n, n, n) if i == 0 else shape)): best(*((n, n, n) if i == 0 else shape),
-                                                                      torch.float32, reps)
-              for i, shape in enumerate(PEAK_SHAPES)}
+    libraries = {"mkl": torch.matmul, "onednn": onednn}
+    shapes, by_library = {}, {name: 0.0 for name in libraries}
+    for i, shape in enumerate(PEAK_SHAPES):
+        dims = (n, n, n) if i == 0 else shape
+        for name, product in libraries.items():
+            rate = best(*dims, torch.float32, reps, product)
+            shapes["x".join(map(str, dims))] = max(shapes.get("x".join(map(str, dims)), 0.0), rate)
+            by_library[name] = max(by_library[name], rate)
     size, tries = (n, reps) if bf16_native() else (512, 2)
-    return {"fp32": max(shapes.values()), "bf16": best(size, size, size, torch.bfloat16, tries), "fp32_shapes": shapes}
+    return {"fp32": max(shapes.values()), "bf16": best(size, size, size, torch.bfloat16, tries),
+            "fp32_shapes": shapes, "fp32_libraries": by_library}
 
 
 def machine(peak: dict | None = None) -> dict:
     return {"cpu": cpu_model(), "cpus": os.cpu_count(), "threads": THREADS, "flags": cpu_flags(),
             "platform": platform.platform(),
-            "matmul_gflops": peak, "matmul": f"fp32: the best of torch matmuls {', '.join('x'.join(map(str, s)) for s in PEAK_SHAPES)} "
-                                              f"(m x k x n), bf16: 2048^3 (512^3 without native bf16); {THREADS} threads, best of 5"}
+            "matmul_gflops": peak,
+            "matmul": f"fp32: the best of MKL's and oneDNN's products {', '.join('x'.join(map(str, s)) for s in PEAK_SHAPES)} "
+                      f"(m x k x n), bf16: 2048^3 (512^3 without native bf16); {THREADS} threads, best of 5"}
 
 
 def start_like_the_cli() -> None:

@@ -17,6 +17,8 @@ import weakref
 
 import torch
 
+from retrograd.models.cpu_gemm import mm_into
+
 IGNORE = -100
 
 
@@ -66,13 +68,15 @@ def logits_into(h: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> tor
     47 of 48 interleaved pairs (2-core AVX-512 AMD EPYC, fp32 peak 204 GFLOP/s;
     benchmarks/results/ab_head_blocks_20261206_211908.json); a whole SFT LoRA pass 1.7 % faster. Not for
     bf16: there the blocks were 7-10 % slower than the single product (305 against 339 GFLOP/s), and not on
-    an accelerator, whose one large GEMM is the fast form."""
+    an accelerator, whose one large GEMM is the fast form. Each block's product runs with this machine's float32
+    GEMM library (models/cpu_gemm.py): on the AVX-512 EPYC oneDNN's blocks, each copied into `out`, ran at
+    170-182 GFLOP/s against MKL's 141-143 at 255-292 rows."""
     vocab = weight.shape[0]
     columns = logits_block_columns(h.shape[0], vocab) if h.device.type == "cpu" else vocab
     if columns >= vocab:
-        return torch.mm(h, weight.t(), out=out)
+        return mm_into(h, weight.t(), out)
     for start in range(0, vocab, columns):
-        torch.mm(h, weight[start:start + columns].t(), out=out[:, start:start + columns])
+        mm_into(h, weight[start:start + columns].t(), out[:, start:start + columns])
     return out
 
 
@@ -192,7 +196,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 probs[torch.arange(y.shape[0], device=y.device), y] -= 1.0
                 probs = log_softmax.low(probs, hidden.dtype)
                 if grad_h is not None:
-                    torch.mm(probs, weight, out=grad_h[start:start + chunk_size])  # [C, H]
+                    mm_into(probs, weight, grad_h[start:start + chunk_size])  # [C, H]
                 if grad_w is not None:
                     add_weight_gradient(grad_w, probs.t().to(acc), h.to(acc), first=start == 0)  # [V, H]
         ctx.save_for_backward(grad_h if grad_h is not None else torch.empty(0),
@@ -251,7 +255,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             probs = logp.exp_()
             probs[torch.arange(y.shape[0], device=y.device), y] -= 1.0
             g = grad_h[start:start + chunk_size]
-            torch.mm(log_softmax.low(probs, hidden.dtype), weight, out=g).neg_()  # [C, H]
+            mm_into(log_softmax.low(probs, hidden.dtype), weight, g).neg_()  # [C, H]
         ctx.save_for_backward(grad_h)
         return out
 
@@ -332,7 +336,7 @@ class _LinearTopkKlSum(torch.autograd.Function):
             outside = big_p - (1.0 - big_p) * s / (1.0 - s)  # [C]
             g = q.mul_(outside[:, None]).scatter_(1, k_ids, q_k - t.exp()).to(hidden.dtype)
             if grad_h is not None:
-                torch.mm(g, weight, out=grad_h[start:start + chunk_size])
+                mm_into(g, weight, grad_h[start:start + chunk_size])
             if grad_w is not None:
                 add_weight_gradient(grad_w, g.t().to(acc), h.to(acc), first=start == 0)
         ctx.save_for_backward(grad_h if grad_h is not None else torch.empty(0),

@@ -19,6 +19,7 @@ import torch
 from retrograd.checkpoint.fingerprint import cached_sha256, fingerprint_path
 from retrograd.errors import ModelError
 from retrograd.models.builtin import BUILTINS, builtin_gguf, is_builtin
+from retrograd.models.cpu_gemm import route_linears
 from retrograd.paths import home
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -53,6 +54,7 @@ def _finish(model, tokenizer):
         cfg = getattr(m, "config", None)
         if cfg is not None and getattr(cfg, "_is_quantized", False):
             cfg._is_quantized = False
+    route_linears(model)  # float32 products through oneDNN where that library is this CPU's faster one
     return model, tokenizer
 
 

@@ -39,14 +39,16 @@ lora_A or lora_B (or global module hooks), which the node would never fire; thos
 forward. Under FSDP2 a forward sees the gathered parameters as plain tensors, so the node runs there too
 (bf16 weights without mixed_precision; with mixed_precision = "bf16" the adapters are bf16 and PEFT's
 forward runs). LoRA dropout is kept: the node takes dropout(x) for the rank-r branch, drawn by the same
-module call as PEFT's.
+module call as PEFT's. The base products (x W^T, g W) run with this machine's float32 GEMM library
+(models/cpu_gemm.py: oneDNN on AMD CPUs with AVX-512, else F.linear's).
 """
 from __future__ import annotations
 
 import types
 
 import torch
-import torch.nn.functional as F
+
+from retrograd.models.cpu_gemm import linear
 
 
 class _MixedLoRALinear(torch.autograd.Function):
@@ -59,7 +61,7 @@ class _MixedLoRALinear(torch.autograd.Function):
         rows = x.reshape(-1, x.shape[-1])
         lora_rows = rows if dropped is None else dropped.reshape(-1, x.shape[-1])
         down = lora_rows @ a.t()  # [N, r]
-        out = F.linear(x, weight, bias)  # returned as it is, not as a view: callers may edit it in place
+        out = linear(x, weight, bias)  # returned as it is, not as a view: callers may edit it in place
         out.view(-1, out.shape[-1]).addmm_(down, b.t(), alpha=scaling)
         ctx.save_for_backward(lora_rows, down, weight, a, b)
         ctx.scaling, ctx.dtypes, ctx.shared = scaling, (lora_a.dtype, lora_b.dtype), dropped is None
@@ -73,7 +75,7 @@ class _MixedLoRALinear(torch.autograd.Function):
         g_down = g @ b  # [N, r]: the gradient of d A^T, before the scaling
         grad_x = grad_dropped = grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = g @ weight
+            grad_x = linear(g, weight.t())  # g W
             if ctx.shared:
                 grad_x.addmm_(g_down, a, alpha=s)
             grad_x = grad_x.view(shape)
