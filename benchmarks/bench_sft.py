@@ -42,6 +42,7 @@ Run from the repository root on an IDLE machine (load average < 2, one benchmark
     python benchmarks/bench_sft.py --dtype bfloat16  # LoRA, weights in bf16 on both sides (native bf16 only)
     python benchmarks/bench_sft.py --ab-lean-mlp     # + retrograd without models/lean_mlp.py, interleaved
     python benchmarks/bench_sft.py --dtype bfloat16 --ab-attention   # + retrograd with SDPA's attention kernel
+    python benchmarks/bench_sft.py --ab-mkl          # + retrograd with its float32 products in MKL, interleaved
     python benchmarks/bench_sft.py [--dtype bfloat16] --compile  # both sides torch.compile'd, + retrograd eager
     python benchmarks/bench_sft.py --smoke [--mode full]   # tiny random Llama, ~1 minute, $TMPDIR/bench_out
 
@@ -54,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import sys
@@ -332,6 +334,13 @@ def worker_retrograd_sdpa_attention(s: dict, work: Path) -> dict:
     return worker_retrograd(s, work)
 
 
+def worker_retrograd_mkl(s: dict, work: Path) -> dict:
+    """retrograd with every float32 product in MKL (torch's default), as on a CPU where models/cpu_gemm.py keeps
+    it: the A/B of --ab-mkl, on a CPU where oneDNN is the chosen library (losses equal up to rounding)."""
+    os.environ["RETROGRAD_FP32_GEMM"] = "mkl"  # before the CLI's restart, which keeps the environment
+    return worker_retrograd(s, work)
+
+
 def worker_retrograd_eager(s: dict, work: Path) -> dict:
     """retrograd without [training] compile: the third side of --compile, so that one run also measures what
     compiling gained (losses equal up to summation order)."""
@@ -339,7 +348,8 @@ def worker_retrograd_eager(s: dict, work: Path) -> dict:
 
 
 WORKERS = {"prepare": prepare, "retrograd_eager": worker_retrograd_eager, "retrograd": worker_retrograd, "trl": worker_trl,
-           "retrograd_plain_mlp": worker_retrograd_plain_mlp, "retrograd_sdpa_attention": worker_retrograd_sdpa_attention}
+           "retrograd_plain_mlp": worker_retrograd_plain_mlp, "retrograd_sdpa_attention": worker_retrograd_sdpa_attention,
+           "retrograd_mkl": worker_retrograd_mkl}
 
 
 # ---- parent ------------------------------------------------------------------------------------------
@@ -429,6 +439,9 @@ def main() -> None:
     p.add_argument("--ab-lean-mlp", action="store_true",
                    help="a third side, retrograd with transformers' own MLP forward (the A/B of models/lean_mlp.py); "
                         "writes sft_<mode>-ab-lean-mlp_<timestamp>.json, which report.py leaves out")
+    p.add_argument("--ab-mkl", action="store_true",
+                   help="a third side, retrograd with its float32 products in MKL (the A/B of models/cpu_gemm.py's "
+                        "oneDNN choice); writes sft_<mode>-ab-mkl_<timestamp>.json, which report.py leaves out")
     p.add_argument("--ab-attention", action="store_true",
                    help="a third side, retrograd with SDPA's attention kernel (the A/B of models/packed.py's matmul "
                         "attention, which bf16 on a CPU uses); writes sft_<mode>[_bf16]-ab-attention_<timestamp>.json, "
@@ -458,9 +471,10 @@ def main() -> None:
         p.error("--steps must be at least 2 (step 1 is warm-up and is left out of the steady figure)")
     name = f"sft_{args.mode}" + ("_bf16" if bf16 else "") + ("" if args.micro_batch == MICRO_BATCH[args.mode] else f"-pass{args.micro_batch}") \
         + ("-ab-lean-mlp" if args.ab_lean_mlp else "") + ("-ab-attention" if args.ab_attention else "") \
+        + ("-ab-mkl" if args.ab_mkl else "") \
         + ("_compile" if args.compile else "")
     ab_side = {"retrograd_plain_mlp": args.ab_lean_mlp, "retrograd_sdpa_attention": args.ab_attention,
-               "retrograd_eager": args.compile}
+               "retrograd_mkl": args.ab_mkl, "retrograd_eager": args.compile}
     sides = [*SIDES, *(side for side, on in ab_side.items() if on)]
     common.warn_if_busy()
     load = {"start": common.load_average()}
@@ -503,6 +517,7 @@ def main() -> None:
         "sides": {"retrograd": "retrograd", "trl": f"TRL {versions().get('trl')}",
                   **({"retrograd_plain_mlp": "retrograd, transformers' MLP forward"} if args.ab_lean_mlp else {}),
                   **({"retrograd_sdpa_attention": "retrograd, SDPA's attention kernel"} if args.ab_attention else {}),
+                  **({"retrograd_mkl": "retrograd, float32 products in MKL"} if args.ab_mkl else {}),
                   **({"retrograd": "retrograd, [training] compile", "trl": f"TRL {versions().get('trl')}, torch_compile",
                       "retrograd_eager": "retrograd, eager"} if args.compile else {})},
         "flops_per_step": flops, "summary": summary, "ratios": {"retrograd/trl": common.ratios(summary, "retrograd", "trl"),

@@ -1,7 +1,8 @@
 """Device-specific choices, in one place: torch threads, which device a run uses, the attention
 kernel for short bf16 passes on CPU, whether this CPU computes bf16 natively (and what the `auto`
 choices make of it), and memory readings. Loops, the sampler and the service ask here instead of
-testing the device themselves."""
+testing the device themselves. (Which library runs a float32 product, MKL or oneDNN, is models/cpu_gemm.py's:
+the layers that multiply ask it per call.)"""
 from __future__ import annotations
 
 import functools

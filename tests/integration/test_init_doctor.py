@@ -38,6 +38,8 @@ def test_init_refuses_to_overwrite_and_writes_the_service_client(tmp_path, cli):
 def test_doctor(cli):
     d = json.loads(cli("doctor", "--json", check=0).stdout)
     assert d["ok"] is True and d["torch"] and d["matmul_fp32_gflops"] > 0
+    from retrograd.models.cpu_gemm import fp32_gemm_library
+    assert d["fp32_gemm_library"] == fp32_gemm_library()  # the machine's choice, as training makes it
     assert set(d["extras"]) >= {"service", "plot", "semantic"}
     assert all("pip install 'retrograd[" in e["install"] for e in d["extras"].values())
     text = cli("doctor", check=0).stdout

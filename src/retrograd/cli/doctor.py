@@ -1,11 +1,11 @@
 """`retrograd doctor`: does this machine have what retrograd needs, and what is optional and missing?
 
 Checks, each a line: Python and package versions; torch, its threads and this CPU's model and bf16
-support, a small matmul that must run (and how fast); CUDA devices; every optional extra, present or
-not, with the command that installs it; the model cache ($RETROGRAD_HOME) and whether the built-in
-model is there; free disk in the cache and the current folder. The exit code is 0 when the basics
-work (torch and transformers import, a matmul runs, the cache is writable) and 1 otherwise; missing
-extras are information, not failures.
+support, a small matmul that must run (and how fast), the library float32 products run with (MKL or
+oneDNN); CUDA devices; every optional extra, present or not, with the command that installs it; the
+model cache ($RETROGRAD_HOME) and whether the built-in model is there; free disk in the cache and the
+current folder. The exit code is 0 when the basics work (torch and transformers import, a matmul runs,
+the cache is writable) and 1 otherwise; missing extras are information, not failures.
 """
 from __future__ import annotations
 
@@ -71,6 +71,8 @@ def diagnose() -> dict:
     out["cpu"], out["cpu_bf16"] = _cpu()
     from retrograd.device import bf16_matmul_slowdown
     out["bf16_matmul_slowdown"] = round(bf16_matmul_slowdown(), 2)
+    from retrograd.models.cpu_gemm import fp32_gemm_library
+    out["fp32_gemm_library"] = fp32_gemm_library()
     for dist in ("retrograd", "transformers", "peft", "safetensors", "gguf", "tensorboardX"):
         out[dist] = _version(dist)
     try:
@@ -123,6 +125,8 @@ def run_doctor(as_json: bool) -> int:
          f"fp32 matmul {d.get('matmul_fp32_gflops', '?')} GFLOP/s")
     line(True, f"CPU {d['cpu']}; native bf16: {'yes' if d['cpu_bf16'] else 'no (keep model.dtype float32)'}; "
                f"a bf16 matmul takes {d['bf16_matmul_slowdown']:.2f}x the time of float32 here")
+    line(True, f"float32 training products: {'oneDNN' if d['fp32_gemm_library'] == 'onednn' else 'MKL'} "
+               "(models/cpu_gemm.py; RETROGRAD_FP32_GEMM=mkl|onednn overrides)")
     line(None if not d.get("cuda_devices") else True,
          f"CUDA: {', '.join(d['cuda_devices']) if d.get('cuda_devices') else 'no device (CPU training)'}")
     for dist in ("transformers", "peft", "safetensors", "gguf", "tensorboardX"):

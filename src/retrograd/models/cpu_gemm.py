@@ -1,21 +1,22 @@
 """Which library runs a float32 training product on this CPU: MKL (torch's default) or oneDNN.
 
 torch sends a float32 `x @ W^T` on a CPU to MKL's sgemm. On an AMD CPU with AVX-512 (the 2-core EPYC
-of our machine kind, Zen 4) MKL's sgemm runs 8-37 % below oneDNN's, the other GEMM library torch ships,
-on the very same operands: SmolLM2's training shapes at 512 rows 183-203 against 214-225 GFLOP/s, the
-head's input gradient ([255, 49k] x [49k, 576]) 162-171 against 193-213, a 2048^3 product 177 against
-205-215 (interleaved timings in one process, benchmarks/ab_cpu_gemm.py). oneDNN reads the weight in
-its plain row-major layout or through a transposed view, so the same tensor serves a layer's forward
-(x W^T) and its input gradient (g W) with no second copy.
+of our machine kind, Zen 4) MKL's sgemm runs well below oneDNN's, the other GEMM library torch ships, on
+the very same operands: SmolLM2's MLP products at 512 rows 170-184 against 110-145 GFLOP/s, the head's
+logits 188 against 105 and its input gradient 184 against 137, the k/v projections equal (interleaved
+pairs in one process, benchmarks/ab_cpu_gemm.py; whole SFT, DPO and GRPO passes 11-12 % less time).
+oneDNN reads the weight in its plain row-major layout or through a transposed view, so the same tensor
+serves a layer's forward (x W^T) and its input gradient (g W) with no second copy. A trained weight's own
+gradient (g^T x) stays with autograd's MKL product, which was as fast or faster there.
 
 The choice is fixed per machine, never timed at start-up: a resumed run must multiply with the library
-the run began with (bit-exact resume), and two libraries round differently. oneDNN is taken on AMD
-CPUs with AVX-512 (measured), for float32 products of at least ONEDNN_MIN_ROWS rows and weights at least
-ONEDNN_MIN_FEATURES wide each way, where it won at every shape measured (at 1-50 rows it lost on the
-narrow 576 -> 192 projections, and a tiny model's products are dominated by its per-call overhead). Intel CPUs keep
-MKL, Intel's own library for them; CPUs not measured keep torch's default. RETROGRAD_FP32_GEMM=mkl or
-=onednn overrides the choice (benchmarks' A/Bs, a user who measures otherwise). bf16 products are
-unaffected: torch already runs those through oneDNN.
+the run began with (bit-exact resume), and two libraries round differently. oneDNN is taken on AMD CPUs
+with AVX-512 (measured), for float32 products of at least ONEDNN_MIN_ROWS rows and weights at least
+ONEDNN_MIN_FEATURES wide each way, where it won or tied at every shape measured (at 16-50 rows it lost
+on the narrow 576 -> 192 projections, and a tiny model's products are dominated by its per-call
+overhead). Intel CPUs keep MKL, Intel's own library for them; CPUs not measured keep torch's default.
+RETROGRAD_FP32_GEMM=mkl or =onednn overrides the choice (benchmarks' A/Bs, a user who measures
+otherwise). bf16 products are unaffected: torch already runs those through oneDNN.
 
 `linear(x, weight)` is x @ weight^T for x [..., K] and weight [N, K] (a transposed view is fine: the
 input gradient g W is `linear(g, W.t())`). It is called inside autograd Functions (the LoRA node, the
@@ -86,8 +87,8 @@ def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T (+ bias) with this machine's float32 GEMM library; F.linear wherever oneDNN is not chosen.
-    No autograd: call it under an autograd Function (or no_grad)."""
+    """x @ weight^T (+ bias) with this machine's float32 GEMM library; F.linear wherever oneDNN is not
+    chosen. No autograd: call it under an autograd Function (or no_grad)."""
     if uses_onednn(x, weight) and (bias is None or bias.dtype == torch.float32):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
