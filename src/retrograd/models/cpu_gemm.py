@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import os
 import types
+import warnings
 from pathlib import Path
 
 import torch
@@ -59,6 +60,9 @@ def fp32_gemm_library() -> str:
     if forced in ("mkl", "onednn"):
         chosen = forced
     else:
+        if forced:
+            warnings.warn(f"{ENV}={os.environ[ENV]!r} is neither 'mkl' nor 'onednn': ignored, this CPU's own choice "
+                          "stands", stacklevel=2)
         vendor, flags = _cpu_vendor_and_flags()
         chosen = "onednn" if vendor == "AuthenticAMD" and "avx512f" in flags else "mkl"
     if chosen == "onednn" and not _onednn_works():
