@@ -4,8 +4,9 @@ Two measurements, each interleaved A B A B ... (the order flipped every pair, af
 
   product  the head's [C, 576] x [576, 49k] logits product alone, for chunks of 128, 255 (an SFT pass's
            rows: two chunks of 255), 384 and 510 rows: "blocks" (logits_into as it is) against "single"
-           (torch.mm over the whole vocabulary into the same buffer). The two outputs must be equal bit
-           for bit, or the script stops. Reports GFLOP/s.
+           (one product over the whole vocabulary into the same buffer, with the same GEMM library:
+           models/cpu_gemm.py). The two outputs must be equal bit for bit, or the script stops.
+           Reports GFLOP/s.
   passes   SmolLM2 + LoRA r=8 on q/k/v/o (common.retrograd_lora_model), forward + backward of bench_sft.py's
            [2, 256] SFT pass, bench_dpo.py's step and bench_grpo.py's update (ab_attention.benchmark_passes,
            under SDPA: float32): "blocks" against "single" (fused_head.logits_block_columns answering the
@@ -42,13 +43,14 @@ def bit_equal(where: str, a: tuple, b: tuple) -> tuple[float, float]:
 
 def product_ab(weight, repeats: int) -> dict:
     import torch
+    from retrograd.models.cpu_gemm import mm_into
     from retrograd.models.fused_head import logits_into
     vocab, hidden = weight.shape
     results = {}
     for rows in PRODUCT_ROWS:
         h = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(rows))
         out, single = torch.empty(rows, vocab), torch.empty(rows, vocab)
-        sides = {"blocks": lambda: logits_into(h, weight, out), "single": lambda: torch.mm(h, weight.t(), out=single)}
+        sides = {"blocks": lambda: logits_into(h, weight, out), "single": lambda: mm_into(h, weight.t(), single)}
         times = {name: [] for name in sides}
         for i in range(repeats + 1):
             for name in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
