@@ -71,8 +71,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=6, help="timed pairs per pass kind (default 6)")
     p.add_argument("--dtype", choices=sorted(TOLERANCES), default="bfloat16")
     p.add_argument("--only", default="sft,grpo,dpo", help="pass kinds (default all three)")
-    p.add_argument("--out", help="results folder (default benchmarks/results; $TMPDIR/bench_out with --smoke)")
-    p.add_argument("--smoke", action="store_true", help="a tiny random Llama: checks the plumbing")
+    common.add_output_arguments(p)
     args = p.parse_args()
     import torch
     from retrograd.models.logprobs import Scorer

@@ -102,9 +102,8 @@ def check_same(where: str, a: tuple, b: tuple, bf16: bool = False) -> tuple[floa
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=6, help="passes of each side after the compile (default 6)")
-    p.add_argument("--out", help="results folder (default benchmarks/results; $TMPDIR/bench_out with --smoke)")
+    common.add_output_arguments(p)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the model's weights")
-    p.add_argument("--smoke", action="store_true", help="a tiny random Llama: checks the plumbing")
     args = p.parse_args()
     import torch
     from retrograd.models import packed

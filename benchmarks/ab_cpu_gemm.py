@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -57,30 +56,21 @@ def product_ab(vocab: int, hidden: int, repeats: int, smoke: bool) -> dict:
         # x W^T: a layer's weight [n, k]; g W: the weight of a layer from n to k features, [k, n], as the
         # transposed view the input gradient passes (cpu_gemm.linear(g, W.t()))
         weight = torch.randn(k, n, generator=gen).t() if grad else torch.randn(n, k, generator=gen)
-        sides = {"onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], ""),
-                 "mkl": lambda: x @ weight.t()}
-        times = {name: [] for name in sides}
-        worst = 0.0
-        for i in range(repeats + 1):
-            outs = {}
-            for name in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
-                start = time.perf_counter()
-                outs[name] = sides[name]()
-                times[name].append(time.perf_counter() - start)
-            diff = float((outs["onednn"] - outs["mkl"]).abs().max() / outs["mkl"].abs().max())
-            worst = max(worst, diff)
+        sides = {"onednn": lambda: cpu_gemm._onednn_linear(x, weight), "mkl": lambda: x @ weight.t()}
+        worst = [0.0]
+
+        def check(outputs, label=label):
+            diff = float((outputs["onednn"] - outputs["mkl"]).abs().max() / outputs["mkl"].abs().max())
+            worst[0] = max(worst[0], diff)
             if diff > 1e-5:
                 raise SystemExit(f"{label}: oneDNN's product differs from MKL's by {diff:.2e} of its largest entry")
-        flops = 2 * m * k * n
-        summary = {name: common.stats(v[1:]) for name, v in times.items()}
-        gflops = {name: flops / s["median"] / 1e9 for name, s in summary.items()}
-        faster = sum(a < b for a, b in zip(times["onednn"][1:], times["mkl"][1:]))
+        result = common.interleaved_products(sides, repeats, 2 * m * k * n, check)
         routed = cpu_gemm.uses_onednn(x, weight) if cpu_gemm.fp32_gemm_library() == "onednn" else None
         where = "" if routed is None else "; routed to oneDNN" if routed else "; stays MKL"
+        gflops = result["gflops"]
         print(f"product, {label}: oneDNN {gflops['onednn']:.0f} GFLOP/s, MKL {gflops['mkl']:.0f}; oneDNN faster in "
-              f"{faster} of {repeats} pairs{where}", flush=True)
-        results[label] = {"seconds": times, "summary": summary, "gflops": gflops, "onednn_faster_pairs": faster,
-                          "routed": routed, "largest_difference": worst}
+              f"{result['onednn_faster_pairs']} of {repeats} pairs{where}", flush=True)
+        results[label] = {**result, "routed": routed, "largest_difference": worst[0]}
     return results
 
 
@@ -88,8 +78,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=12, help="timed pairs per measurement (default 12)")
     p.add_argument("--only", default="product,sft,dpo,grpo", help="measurements (default all four)")
-    p.add_argument("--out", help="results folder (default benchmarks/results; $TMPDIR/bench_out with --smoke)")
-    p.add_argument("--smoke", action="store_true", help="a tiny random Llama: checks the plumbing")
+    common.add_output_arguments(p)
     args = p.parse_args()
     model, peak = common.in_process_lora_model(args.smoke, layout.SEED, layout.BUILTIN)
     import retrograd.models.cpu_gemm as cpu_gemm

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -51,21 +50,14 @@ def product_ab(weight, repeats: int) -> dict:
         h = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(rows))
         out, single = torch.empty(rows, vocab), torch.empty(rows, vocab)
         sides = {"blocks": lambda: logits_into(h, weight, out), "single": lambda: mm_into(h, weight.t(), single)}
-        times = {name: [] for name in sides}
-        for i in range(repeats + 1):
-            for name in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
-                start = time.perf_counter()
-                sides[name]()
-                times[name].append(time.perf_counter() - start)
-            if not torch.equal(out, single):
+
+        def check(outputs, rows=rows):
+            if not torch.equal(outputs["blocks"], outputs["single"]):
                 raise SystemExit(f"{rows} rows: the blocked logits differ from the single product")
-        flops = 2 * rows * hidden * vocab
-        summary = {name: common.stats(v[1:]) for name, v in times.items()}
-        gflops = {name: flops / s["median"] / 1e9 for name, s in summary.items()}
-        faster = sum(a < b for a, b in zip(times["blocks"][1:], times["single"][1:]))
+        result = results[str(rows)] = common.interleaved_products(sides, repeats, 2 * rows * hidden * vocab, check)
+        gflops = result["gflops"]
         print(f"product, {rows} rows: blocks {gflops['blocks']:.0f} GFLOP/s, single {gflops['single']:.0f}; "
-              f"blocks faster in {faster} of {repeats} pairs", flush=True)
-        results[str(rows)] = {"seconds": times, "summary": summary, "gflops": gflops, "blocks_faster_pairs": faster}
+              f"blocks faster in {result['blocks_faster_pairs']} of {repeats} pairs", flush=True)
     return results
 
 
@@ -73,8 +65,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=12, help="timed pairs per measurement (default 12)")
     p.add_argument("--only", default="product,sft,dpo,grpo", help="measurements (default all four)")
-    p.add_argument("--out", help="results folder (default benchmarks/results; $TMPDIR/bench_out with --smoke)")
-    p.add_argument("--smoke", action="store_true", help="a tiny random Llama: checks the plumbing")
+    common.add_output_arguments(p)
     args = p.parse_args()
     model, peak = common.in_process_lora_model(args.smoke, layout.SEED, layout.BUILTIN)
     from retrograd.models import fused_head

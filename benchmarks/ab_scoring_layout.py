@@ -134,8 +134,7 @@ def ab(model, scorer, data, sides: dict, repeats: int, label: str, check=None) -
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=5, help="timed pairs per comparison (default 5)")
-    p.add_argument("--out", help="results folder (default benchmarks/results; $TMPDIR/bench_out with --smoke)")
-    p.add_argument("--smoke", action="store_true", help="a tiny random Llama: checks the plumbing")
+    common.add_output_arguments(p)
     p.add_argument("--only", default="rows,prefix,packing", help="comparisons to run (default all three)")
     args = p.parse_args()
     only = set(args.only.split(","))

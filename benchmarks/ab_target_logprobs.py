@@ -60,7 +60,6 @@ def datums(count: int, shortest: int, longest: int, vocab: int, seed: int):
 
 
 def one_pass(model, side, rows):
-    import torch
     from retrograd.models.logprobs import Scorer
     model.zero_grad(set_to_none=True)
     start = time.perf_counter()
@@ -83,8 +82,7 @@ def check(case: str, a: tuple, b: tuple) -> tuple[float, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=8, help="timed pairs per case (default 8)")
-    p.add_argument("--out", help="results folder (default benchmarks/results; $TMPDIR/bench_out with --smoke)")
-    p.add_argument("--smoke", action="store_true", help="a tiny random Llama: checks the plumbing")
+    common.add_output_arguments(p)
     args = p.parse_args()
     model, peak = common.in_process_lora_model(args.smoke, layout.SEED, layout.BUILTIN)
     from retrograd.models.logprobs import Scorer

@@ -243,6 +243,32 @@ def stats(values: list[float]) -> dict:
             "spread": (max(values) - min(values)) / abs(med) if med else 0.0, "n": len(values)}
 
 
+def interleaved_products(sides: dict, repeats: int, flops: float, check) -> dict:
+    """Two products timed A B A B ... in one process (the order flipped every pair, pair 0 a warm-up), each
+    pair's outputs handed to check({name: output}), which stops the script where they disagree. -> the
+    seconds per side, their summary and GFLOP/s over the timed pairs, and "<first side>_faster_pairs"."""
+    names = list(sides)
+    times = {name: [] for name in names}
+    for i in range(repeats + 1):
+        outputs = {}
+        for name in (names if i % 2 == 0 else names[::-1]):
+            start = time.perf_counter()
+            outputs[name] = sides[name]()
+            times[name].append(time.perf_counter() - start)
+        check(outputs)
+    summary = {name: stats(v[1:]) for name, v in times.items()}
+    first, second = names
+    return {"seconds": times, "summary": summary,
+            "gflops": {name: flops / s["median"] / 1e9 for name, s in summary.items()},
+            f"{first}_faster_pairs": sum(a < b for a, b in zip(times[first][1:], times[second][1:]))}
+
+
+def add_output_arguments(p) -> None:
+    """--out and --smoke, as every benchmark script takes them."""
+    p.add_argument("--out", help="results folder (default benchmarks/results; $TMPDIR/bench_out with --smoke)")
+    p.add_argument("--smoke", action="store_true", help="a tiny random Llama: checks the plumbing")
+
+
 def summarize(runs: list[dict], metrics: dict) -> dict:
     """{name: stats([fn(run) for run in runs])} for metrics {name: fn}."""
     return {name: stats([fn(r) for r in runs]) for name, fn in metrics.items()}

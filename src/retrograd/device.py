@@ -83,15 +83,30 @@ BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_bf16_native() -> bool | None:
-    """True when the CPU advertises native bf16 arithmetic, False when it does not, None when the
-    flags cannot be read (not Linux)."""
+def cpu_info() -> dict[str, str] | None:
+    """The first processor's fields in /proc/cpuinfo ("vendor_id", "model name", "flags", ...), None where
+    the file cannot be read (not Linux)."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
         return None
-    flags = next((line for line in info.splitlines() if line.startswith("flags")), "").split()
-    return any(f in flags for f in BF16_CPU_FLAGS)
+    fields: dict[str, str] = {}
+    for line in info.splitlines():
+        if not line.strip():
+            break  # the end of the first processor's block
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_bf16_native() -> bool | None:
+    """True when the CPU advertises native bf16 arithmetic, False when it does not, None when the
+    flags cannot be read (not Linux)."""
+    info = cpu_info()
+    if info is None:
+        return None
+    return any(f in info.get("flags", "").split() for f in BF16_CPU_FLAGS)
 
 
 @functools.lru_cache(maxsize=1)

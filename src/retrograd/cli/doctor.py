@@ -40,14 +40,11 @@ def _version(dist: str) -> str | None:
 
 
 def _cpu() -> tuple[str, bool]:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    from retrograd.device import cpu_bf16_native, cpu_info
+    info = cpu_info()
+    if info is None:
         return platform.processor() or "unknown", False
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
-                 "unknown")
-    flags = next((line for line in info.splitlines() if line.startswith("flags")), "")
-    return model, any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
+    return info.get("model name", "unknown"), bool(cpu_bf16_native())
 
 
 def diagnose() -> dict:

@@ -29,10 +29,11 @@ import functools
 import os
 import types
 import warnings
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from retrograd.device import cpu_info
 
 # below this many rows oneDNN lost on some of SmolLM2's shapes (576 -> 192 at 1-50 rows: 10-50 % slower)
 ONEDNN_MIN_ROWS = 128
@@ -43,14 +44,8 @@ ENV = "RETROGRAD_FP32_GEMM"
 
 
 def _cpu_vendor_and_flags() -> tuple[str, set[str]]:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "", set()
-    lines = info.splitlines()
-    vendor = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")), "")
-    flags = next((line.split(":", 1)[1] for line in lines if line.startswith("flags")), "").split()
-    return vendor, set(flags)
+    info = cpu_info() or {}
+    return info.get("vendor_id", ""), set(info.get("flags", "").split())
 
 
 @functools.lru_cache(maxsize=1)
@@ -76,32 +71,36 @@ def _onednn_works() -> bool:
         return False
     try:
         x, w = torch.ones(2, 3), torch.arange(12, dtype=torch.float32).view(4, 3)
-        return bool(torch.equal(torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), x @ w.t()))
+        return bool(torch.equal(_onednn_linear(x, w), x @ w.t()))
     except (RuntimeError, AttributeError):
         return False
 
 
-def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether x @ weight^T runs through oneDNN here: float32 on a CPU, enough rows, and this machine's choice."""
+def uses_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether x @ weight^T (+ bias) runs through oneDNN here: float32 on a CPU, enough rows, and this
+    machine's choice."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and (bias is None or bias.dtype == torch.float32)
             and weight.dim() == 2 and min(weight.shape) >= ONEDNN_MIN_FEATURES
             and x.numel() >= ONEDNN_MIN_ROWS * max(x.shape[-1], 1)
             and fp32_gemm_library() == "onednn"
             and not torch.compiler.is_compiling())  # a compiled region ([training] compile) keeps inductor's own
 
 
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight^T (+ bias) with this machine's float32 GEMM library; F.linear wherever oneDNN is not
     chosen. No autograd: call it under an autograd Function (or no_grad)."""
-    if uses_onednn(x, weight) and (bias is None or bias.dtype == torch.float32):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+    return (_onednn_linear if uses_onednn(x, weight, bias) else F.linear)(x, weight, bias)
 
 
 def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out = a @ b (a [M, K], b [K, N]), written into `out` (a view is fine), with this machine's library."""
     if uses_onednn(a, b):
-        return out.copy_(torch.ops.mkldnn._linear_pointwise(a, b.t(), None, "none", [], ""))
+        return out.copy_(_onednn_linear(a, b.t()))
     return torch.mm(a, b, out=out)
 
 
@@ -110,9 +109,9 @@ class _Linear(torch.autograd.Function):
     (and the bias's) as autograd's linear computes it."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias):  # only called where uses_onednn(x, weight, bias) holds
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
-        return linear(x, weight, bias)
+        return _onednn_linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
@@ -133,12 +132,12 @@ def _plain(t: torch.Tensor | None) -> bool:
 
 def _routed_forward(self, x: torch.Tensor) -> torch.Tensor:
     weight, bias = self.weight, self.bias
-    if not uses_onednn(x, weight) or not (_plain(x) and _plain(weight) and _plain(bias)):
+    if not uses_onednn(x, weight, bias) or not (_plain(x) and _plain(weight) and _plain(bias)):
         return F.linear(x, weight, bias)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
         return _Linear.apply(x, weight, bias)
-    return linear(x, weight, bias)
+    return _onednn_linear(x, weight, bias)
 
 
 def route_linears(model: torch.nn.Module) -> int:
