@@ -36,11 +36,8 @@ def test_the_choice_follows_the_cpu_and_the_override(monkeypatch):
             monkeypatch.delenv(cpu_gemm.ENV, raising=False)
         else:
             monkeypatch.setenv(cpu_gemm.ENV, env)
-        cpu_gemm.fp32_gemm_library.cache_clear()
-        try:
-            return cpu_gemm.fp32_gemm_library()
-        finally:
-            cpu_gemm.fp32_gemm_library.cache_clear()
+        monkeypatch.setattr(cpu_gemm, "_LIBRARY", None)  # decided afresh, then put back
+        return cpu_gemm.fp32_gemm_library()
     assert choice("AuthenticAMD", {"avx2", "avx512f", "avx512_bf16"}) == "onednn"
     assert choice("AuthenticAMD", {"avx2", "fma"}) == "mkl"  # the AVX2-only EPYC: not measured, torch's default
     assert choice("GenuineIntel", {"avx512f", "amx_bf16"}) == "mkl"
@@ -182,3 +179,69 @@ def test_fused_head_under_onednn(library):
     ref_logp.backward(g.double())
     _close(logp, ref_logp)
     _close(h.grad, h64.grad)
+
+
+def _lora_then_routed_linear(seed: int):
+    """A LoRA node (base 256 -> 320) feeding a routed frozen nn.Linear (320 -> 224): every product large
+    enough for oneDNN. -> (the block as a function of (x, lora_a, lora_b), its inputs)."""
+    torch.manual_seed(seed)
+    weight = torch.randn(320, 256) * 0.05
+    layer = torch.nn.Linear(320, 224).requires_grad_(False)
+    cpu_gemm.route_linears(layer)
+
+    def block(x, a, b):
+        return layer(_MixedLoRALinear.apply(x, None, weight, None, a, b, 2.0)).square().sum()
+    inputs = (torch.randn(2, 100, 256), torch.randn(8, 256) * 0.1, torch.randn(320, 8) * 0.1)
+    return block, inputs
+
+
+def _run(block, inputs):
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    loss = block(*leaves)
+    loss.backward()
+    return loss.detach(), [t.grad for t in leaves]
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_compiled_regions_call_onednn_through_an_opaque_op(library, fresh_dynamo):
+    """Under torch.compile ([training] compile) the products go through retrograd::onednn_linear, which the
+    compiler keeps as a call (its own lowering of oneDNN's aten op wants a frozen weight): forward x W^T for
+    the LoRA base and the routed layer, backward their input gradients g W."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    library("onednn")
+    block, inputs = _lora_then_routed_linear(5)
+    graphs = []
+
+    def record(gm, _example_inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return make_boxed_func(gm)
+    loss, grads = _run(torch.compile(block, backend=aot_autograd(fw_compiler=record, bw_compiler=record)), inputs)
+    assert len(graphs) == 2  # one forward, one backward graph: no graph break
+    forward, backward = graphs
+    assert forward.count("retrograd.onednn_linear.default") == 2
+    assert backward.count("retrograd.onednn_linear.default") == 2
+    assert "mkldnn._linear_pointwise.default" not in forward + backward
+    eager_loss, eager_grads = _run(block, inputs)
+    _close(loss, eager_loss)
+    for got, want in zip(grads, eager_grads):
+        _close(got, want)
+
+
+def test_inductor_compiles_the_onednn_op_with_the_eager_values(library, fresh_dynamo):
+    library("onednn")
+    block, inputs = _lora_then_routed_linear(6)
+    loss, grads = _run(torch.compile(block), inputs)
+    eager_loss, eager_grads = _run(block, inputs)
+    _close(loss, eager_loss)
+    for got, want in zip(grads, eager_grads):
+        _close(got, want)
+    library("mkl")  # a machine that keeps MKL compiles plain products (and no oneDNN op)
+    torch._dynamo.reset()
+    _close(_run(torch.compile(block), inputs)[0], eager_loss)
