@@ -75,6 +75,8 @@ KINDS["sft_lora_compile"] = {**KINDS["sft_lora"],
                              "pairs": [("retrograd", "trl"), ("retrograd", "retrograd_eager")]}
 KINDS["sft_lora_bf16_compile"] = {**KINDS["sft_lora_compile"], "rows": KINDS["sft_lora_bf16"]["rows"],
                                   "title": "SFT LoRA with bf16 weights, both sides torch.compile'd, retrograd vs TRL"}
+KINDS["sft_full_compile"] = {**KINDS["sft_lora_compile"],
+                             "title": "SFT full fine-tune, both sides torch.compile'd, retrograd vs TRL SFTTrainer"}
 
 # the summary (top-level README): per benchmark, its headline comparisons
 # (label, kind, ours, theirs, metric, higher_is_better)
@@ -84,6 +86,7 @@ HEADLINES = [
     ("SFT LoRA compiled (both sides), tokens/s", "sft_lora_compile", "retrograd", "trl", "tokens_per_s", True),
     ("SFT LoRA bf16 compiled (both sides), tokens/s", "sft_lora_bf16_compile", "retrograd", "trl", "tokens_per_s", True),
     ("SFT full fine-tune, tokens/s", "sft_full", "retrograd", "trl", "tokens_per_s", True),
+    ("SFT full fine-tune compiled (both sides), tokens/s", "sft_full_compile", "retrograd", "trl", "tokens_per_s", True),
     ("DPO LoRA, pairs/s per step", "dpo", "retrograd", "trl", "pairs_per_s", True),
     ("DPO LoRA, pairs/s end to end (1 epoch, reference included)", "dpo", "retrograd", "trl",
      "pairs_per_s_end_to_end", True),
