@@ -14,7 +14,9 @@ the run began with (bit-exact resume), and two libraries round differently. oneD
 with AVX-512 (measured), for float32 products of at least ONEDNN_MIN_ROWS rows and weights at least
 ONEDNN_MIN_FEATURES wide each way, where it won or tied at every shape measured (at 16-50 rows it lost
 on the narrow 576 -> 192 projections, and a tiny model's products are dominated by its per-call
-overhead). Intel CPUs keep MKL, Intel's own library for them; CPUs not measured keep torch's default.
+overhead). Intel CPUs keep MKL, Intel's own library for them. So does the AVX2-only EPYC (Zen 3), where
+oneDNN measured slower: whole passes 19-36 % longer (ab_cpu_gemm_20261207_174005.json). CPUs not measured
+keep torch's default.
 RETROGRAD_FP32_GEMM=mkl or =onednn overrides the choice (benchmarks' A/Bs, a user who measures
 otherwise). bf16 products are unaffected: torch already runs those through oneDNN.
 
