@@ -215,7 +215,7 @@ def test_compiled_training_passes_resume_bit_exact_and_train_as_eager(tmp_path, 
         cli.cwd = folder
         out = cli("train", cfg, check=0)
         curves[name] = [loss for _, loss, _ in losses(folder / "runs" / "run") if loss is not None]
-    assert "training.compile: the first training pass compiles" in out.stdout + out.stderr
+    assert "training.compile: the first training passes compile" in out.stdout + out.stderr
     assert len(curves["compiled"]) == STEPS and curves["compiled"][-1] < curves["compiled"][0]  # it trained
     assert curves["compiled"] == pytest.approx(curves["eager"], rel=1e-5)
     straight_and_resumed(tmp_path, tiny_model, cli, extra, "step-000000000005.state")

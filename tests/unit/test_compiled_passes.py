@@ -98,3 +98,45 @@ def test_compile_passes_says_why_it_does_not_apply(tmp_path):
     assert compile_passes(model, settings, False, said.append)
     assert model.get_base_model().model in packed._COMPILED
     packed._COMPILED.pop(model.get_base_model().model)
+
+
+def _compile_a_pass(model, batch) -> tuple[dict, dict]:
+    """One training pass through freshly compiled layers: (its LoRA gradients, AOTAutograd's cache counters)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    decoder = Scorer(model).decoder
+    packed.compile_training_passes(decoder)
+    try:
+        _, grads = _pass(model, Scorer(model), batch)
+    finally:
+        packed._COMPILED.pop(decoder)
+    return grads, dict(torch._dynamo.utils.counters["aot_autograd"])
+
+
+def test_a_later_compile_reuses_the_cached_graph_and_a_changed_function_is_compiled_anew(tmp_path, monkeypatch,
+                                                                                        fresh_dynamo):
+    """The graph holds our autograd Functions (the LoRA node, the SiLU product) and AOTAutograd's on-disk
+    cache still serves it to a later compile; a Function whose backward changed is a new key, so its
+    gradients are the changed ones, never a stale artifact's."""
+    from retrograd.models import lean_mlp as lean
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    _, model = random_lora(make_model_dir(tmp_path / "m"))
+    lean_mlp(model)
+    model.train()
+    batch = _batch(model.config.vocab_size)
+    first, counted = _compile_a_pass(model, batch)
+    assert counted.get("autograd_cache_saved", 0) >= 1 and not counted.get("autograd_cache_bypass")
+    again, counted = _compile_a_pass(model, batch)
+    assert counted.get("autograd_cache_hit", 0) >= 1 and not counted.get("autograd_cache_miss")
+    assert all(torch.equal(first[n], again[n]) for n in first)
+
+    plain_backward = lean._SiluGateProduct.backward
+
+    def doubled_up_gradient(ctx, grad):
+        grad_gate, grad_up = plain_backward(ctx, grad)
+        return grad_gate, 2 * grad_up
+    monkeypatch.setattr(lean._SiluGateProduct, "backward", staticmethod(doubled_up_gradient))
+    changed, counted = _compile_a_pass(model, batch)
+    assert counted.get("autograd_cache_miss", 0) >= 1 and not counted.get("autograd_cache_hit")
+    _, eager_changed = _pass(model, Scorer(model), batch)
+    assert _error(changed, eager_changed) < 1e-4 and _error(first, eager_changed) > 0.05

@@ -101,7 +101,7 @@ class TrainingTable:
     gradient_checkpointing: bool = opt(False, trajectory=False,
                                        help="recompute activations in backward to save memory")
     compile: bool = opt(False, help="run training passes through torch.compile (Llama-family models): faster "
-                                    "passes after a first one that compiles for 1-3 minutes; off for short runs")
+                                    "passes after the first ones compile (minutes); off for short runs")
 
 
 @dataclass(frozen=True)

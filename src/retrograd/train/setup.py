@@ -263,8 +263,8 @@ def compile_passes(model, tr, sharded: bool, log) -> bool:
         log(f"warning: training.compile is ignored: {why}; training passes run eager")
         return False
     compile_training_passes(decoder)
-    log("training.compile: the first training pass compiles the model (1-3 minutes on a CPU); "
-        "later passes reuse it")
+    log("training.compile: the first training passes compile the model (minutes on a CPU; a later run or "
+        "--resume starts faster from inductor's on-disk cache); later passes reuse it")
     return True
 
 
