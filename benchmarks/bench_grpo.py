@@ -82,21 +82,18 @@ def matmul_params(model) -> int:
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
-def worker_retrograd(args) -> dict:
-    common.start_like_the_cli()
-    from retrograd.config import load_config
-    from retrograd.train.grpo import train_grpo
-    work = Path(args.work)
-    (work / "run.toml").write_text(f"""
+def run_toml(model, prompts, updates: int, run_dir, adapter) -> str:
+    """retrograd's side of the comparison as a run.toml (also ab_compile_graphs.py's GRPO run)."""
+    return f"""
 [run]
 algorithm = "grpo"
 name = "bench_grpo"
-directory = {json.dumps(str(work / "run"))}
+directory = {json.dumps(str(run_dir))}
 [model]
-path = {json.dumps(args.gguf)}
+path = {json.dumps(str(model))}
 device = "cpu"
 [output]
-path = {json.dumps(str(work / "adapter"))}
+path = {json.dumps(str(adapter))}
 [lora]
 rank = {LORA_R}
 alpha = {LORA_ALPHA}
@@ -107,8 +104,8 @@ ctx = 256
 seed = {SEED}
 threads = {THREADS}
 [grpo]
-prompts = {json.dumps(args.data)}
-updates = {args.steps}
+prompts = {json.dumps(str(prompts))}
+updates = {updates}
 prompts_per_update = {PROMPTS}
 group_size = {GENS}
 loss_normalisation = "token"
@@ -126,7 +123,15 @@ max_new_tokens = {MAX_NEW}
 temperature = 1.0
 seed = {SEED}
 dtype = "auto"
-""")
+"""
+
+
+def worker_retrograd(args) -> dict:
+    common.start_like_the_cli()
+    from retrograd.config import load_config
+    from retrograd.train.grpo import train_grpo
+    work = Path(args.work)
+    (work / "run.toml").write_text(run_toml(args.gguf, args.data, args.steps, work / "run", work / "adapter"))
     if args.worker == "retrograd_bf16":  # the whole run in bf16: model weights, sampling and training
         toml = (work / "run.toml").read_text()
         (work / "run.toml").write_text(toml.replace('device = "cpu"\n', 'device = "cpu"\ndtype = "bfloat16"\n'))

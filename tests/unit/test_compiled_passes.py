@@ -82,6 +82,39 @@ def test_compiled_training_pass_has_the_eager_values_and_gradients(tmp_path, dty
     assert calls == [True, True]    # otherwise take transformers' forward)
 
 
+def _rows(vocab: int, rows: int, width: int, padding: int, seed: int) -> dict:
+    ids = torch.randint(0, vocab, (rows, width), generator=torch.Generator().manual_seed(seed))
+    attention = torch.ones_like(ids)
+    attention[-1, width - padding:] = 0
+    return {"input_ids": ids, "attention_mask": attention, "labels": ids.masked_fill(attention == 0, -100)}
+
+
+def test_passes_of_other_shapes_share_one_symbolic_graph(tmp_path, monkeypatch, fresh_dynamo):
+    """The first pass's shape compiles static; the first pass of another shape compiles one graph with all
+    its lengths symbolic, which then serves more rows, another width and a full grid (left to dynamo, each
+    of those compiled a graph more: 4 graphs here instead of 2), every pass with the eager pass's values
+    and gradients. A pass of the first shape again runs the static graph."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    _, model = random_lora(make_model_dir(tmp_path / "m", layers=1))
+    lean_mlp(model)
+    model.train()
+    vocab = model.config.vocab_size
+    batches = [_rows(vocab, 2, 12, 3, 0), _rows(vocab, 2, 10, 2, 1), _rows(vocab, 3, 9, 1, 2),
+               _rows(vocab, 2, 14, 0, 3), _rows(vocab, 2, 12, 3, 4)]
+    eager = [_pass(model, Scorer(model), b) for b in batches]
+    decoder = Scorer(model).decoder
+    packed.compile_training_passes(decoder)
+    try:
+        compiled = [_pass(model, Scorer(model), b) for b in batches]
+    finally:
+        packed._COMPILED.pop(decoder)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    for (eager_loss, eager_grads), (loss, grads) in zip(eager, compiled):
+        assert torch.allclose(loss, eager_loss, rtol=1e-5)
+        assert grads.keys() == eager_grads.keys() and len(grads) > 0
+        assert _error(grads, eager_grads) < 1e-4
+
+
 def test_compile_passes_says_why_it_does_not_apply(tmp_path):
     _, model = random_lora(make_model_dir(tmp_path / "m"))
     settings = types.SimpleNamespace(gradient_checkpointing=False)

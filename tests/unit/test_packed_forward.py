@@ -370,11 +370,15 @@ def test_a_grid_without_padding_is_a_view_of_the_tokens():
     backward gathers nothing; with padding the real tokens land at their slots and padding is zero."""
     t = torch.randn(6, 2, 4)
     full = torch.ones(2, 3, dtype=torch.bool)
-    grid = _to_grid(t, grid_slots(full), 2, 3)
+    grid = _to_grid(t, grid_slots(full), 2, 3, True)
     assert grid.shape == (2, 2, 3, 4) and grid.data_ptr() == t.data_ptr()
     torch.testing.assert_close(grid, t.view(2, 3, 2, 4).transpose(1, 2), rtol=0, atol=0)
+    # a graph compiled for symbolic lengths takes the padding path for a full grid too: the same values
+    scattered = _to_grid(t, grid_slots(full), 2, 3, False)
+    assert scattered.data_ptr() != t.data_ptr()
+    assert torch.equal(scattered, grid)
     padded = torch.tensor([[True, True, False], [True, True, True]])
-    grid = _to_grid(t[:5], grid_slots(padded), 2, 3)
+    grid = _to_grid(t[:5], grid_slots(padded), 2, 3, False)
     assert grid.data_ptr() != t.data_ptr()
     assert torch.equal(grid[0, :, 2], torch.zeros(2, 4))
     assert torch.equal(grid[1, :, 2], t[4])

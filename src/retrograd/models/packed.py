@@ -80,14 +80,46 @@ def compile_training_passes(decoder) -> None:
     autograd (reference scoring, evaluation, sampling) stay eager, so they compile nothing. The first
     training pass compiles (for SmolLM2 on a 2-core CPU 1.5-7 minutes cold; inductor and AOTAutograd keep
     what they built in inductor's on-disk cache, so a later run or a resume starts 2x faster,
-    benchmarks/ab_compile_cache.py); a pass of a new length may compile once more, after which lengths are
-    symbolic. The grid's slots (a data-dependent size) stay outside the compiled graph."""
+    benchmarks/ab_compile_cache.py). The first pass's shape compiles static, the fastest graph for work
+    of one shape (bench_sft.py's full rows); the first pass of another shape (rows, width or real tokens)
+    compiles once more with all three symbolic, and that graph serves every later shape, padded or full
+    (_symbolic_lengths; a single row still compiles its own, as dynamo specialises sizes of 1). The
+    grid's slots (a data-dependent size) stay outside the compiled graph."""
     compiled = torch.compile(_layers, dynamic=None)
+    first = []  # the first pass's (rows, width, real tokens): the static graph's shape
 
-    def layers(*args):
+    def layers(decoder, ids, positions, slots, mask, past, keep_kv, matmul_attention_, full_grid):
+        shape = (*ids.shape, slots.shape[0])
+        if not first:
+            first.append(shape)
+        elif shape != first[0]:
+            _symbolic_lengths(ids, positions, slots, mask, past)
+            # in a symbolic graph, the grid's fullness would be a guard: a full pass after padded ones
+            # would compile a third graph; the padded path is exact for a full grid too
+            full_grid = False
         with _cache_our_autograd_functions():
-            return compiled(*args)
+            return compiled(decoder, ids, positions, slots, mask, past, keep_kv, matmul_attention_, full_grid)
     _COMPILED[decoder] = layers
+
+
+def _symbolic_lengths(ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None,
+                      past: list | None) -> None:
+    """Ask dynamo to compile the pass with every length in it symbolic at once: the rows, the width and the
+    real-token count, the mask's rows, queries and keys, and the past's keys. Left to itself it makes
+    symbolic only the sizes that changed since the last compile, and an unmarked tensor's static size
+    pins the sizes it meets (a GRPO pass's mask pinned its width), so a run whose widths vary compiled
+    again when its row count first changed, or at every new width. A size of 1 (a mask broadcast over the
+    rows, a single row) stays static: dynamo specialises those. The marks only matter to a compile: a call
+    that a compiled graph's guards accept runs that graph."""
+    marks = [(ids, (0, 1)), (positions, (0, 1)), (slots, (0,))]
+    if mask is not None and mask.dim() == 4:
+        marks.append((mask, (0, 2, 3)))  # [R | 1, 1, W, K]
+    for keys, values in past or ():
+        marks += [(keys, (2,)), (values, (2,))]  # [1, KV, P, D]
+    for t, dims in marks:
+        for d in dims:
+            if t.shape[d] > 1:
+                torch._dynamo.maybe_mark_dynamic(t, d)
 
 
 def _cache_our_autograd_functions():
@@ -136,14 +168,17 @@ class PackedForward:
         slots = grid_slots(real)  # data-dependent size: always eager, outside any compiled graph
         layers = _COMPILED[self.decoder] if self.compiled() else _layers
         h, kept = layers(self.decoder, ids, positions, slots, mask, past, keep_kv,
-                        self.matmul_attention_for(ids.shape[1] + (past[0][0].shape[2] if past else 0)))
+                         self.matmul_attention_for(ids.shape[1] + (past[0][0].shape[2] if past else 0)),
+                         slots.shape[0] == ids.numel())
         return h, slots, kept
 
 
 def _layers(decoder, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None,
-            past: list | None, keep_kv: bool, matmul_attention_: bool):
+            past: list | None, keep_kv: bool, matmul_attention_: bool, full_grid: bool):
     """PackedForward.run after the slots: the embedding, every layer and the last norm (a function of the
-    decoder, not of a PackedForward, so that one compiled copy serves every Scorer of the model)."""
+    decoder, not of a PackedForward, so that one compiled copy serves every Scorer of the model).
+    full_grid: every cell of the [rows, width] grid is a real token, so the grid is a view of the packed
+    tokens (no scatter, no gather); False is exact for a full grid too."""
     cfg = decoder.config
     rows, width = ids.shape
     H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -168,7 +203,7 @@ def _layers(decoder, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Te
         q = rope(attn.q_proj(x).view(n, H, D), cos, sin)
         k = rope(attn.k_proj(x).view(n, KV, D), cos, sin)
         v = attn.v_proj(x).view(n, KV, D)
-        q, k, v = (_to_grid(t, slots, rows, width) for t in (q, k, v))  # [R, heads, W, D]
+        q, k, v = (_to_grid(t, slots, rows, width, full_grid) for t in (q, k, v))  # [R, heads, W, D]
         if past is not None:
             pk, pv = past[i]
             k = torch.cat([pk.expand(rows, -1, -1, -1), k], 2)
@@ -182,7 +217,7 @@ def _layers(decoder, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Te
         else:
             out = sdpa_grouped(q, k, v, mask, attn.scaling)
         out = out.transpose(1, 2).reshape(rows * width, H * D)
-        if n < rows * width:
+        if not full_grid:
             # index_select, not out[slots]: the same rows, but its backward is an index_add where advanced
             # indexing's is an accumulating index_put (it sorts the indices): 0.15 against 0.77 ms a layer
             # for a 390-token DPO pass on a 2-core Xeon
@@ -267,10 +302,10 @@ def causal_halves_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.cat([first, second], 2)
 
 
-def _to_grid(t: torch.Tensor, slots: torch.Tensor, rows: int, width: int) -> torch.Tensor:
-    """[N, heads, D] real tokens -> [rows, heads, width, D], zeros at padding (differentiable). A grid
-    without padding (SFT's full rows) is a view of t: no zeros, no scatter, no gather in backward."""
-    if slots.shape[0] == rows * width:
+def _to_grid(t: torch.Tensor, slots: torch.Tensor, rows: int, width: int, full_grid: bool) -> torch.Tensor:
+    """[N, heads, D] real tokens -> [rows, heads, width, D], zeros at padding (differentiable). A full grid
+    (SFT's full rows; see _layers) is a view of t: no zeros, no scatter, no gather in backward."""
+    if full_grid:
         return t.view(rows, width, t.shape[1], t.shape[2]).transpose(1, 2)
     grid = t.new_zeros(rows * width, t.shape[1], t.shape[2]).index_copy(0, slots, t)
     return grid.view(rows, width, t.shape[1], t.shape[2]).transpose(1, 2)
