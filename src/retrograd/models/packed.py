@@ -78,7 +78,7 @@ def compile_training_passes(decoder) -> None:
     torch.compile (inductor): the norms, RoPE, residual adds, the SiLU product and the LoRA additions fuse
     into kernels that read each tensor once, where eager PyTorch reads it once per op. Passes without
     autograd (reference scoring, evaluation, sampling) stay eager, so they compile nothing. The first
-    training pass compiles (for SmolLM2 on a 2-core CPU 1.5-7 minutes cold; inductor and AOTAutograd keep
+    training pass compiles (for SmolLM2 on a 2-core CPU 1.5-9 minutes cold; inductor and AOTAutograd keep
     what they built in inductor's on-disk cache, so a later run or a resume starts 2x faster,
     benchmarks/ab_compile_cache.py). The first pass's shape compiles static, the fastest graph for work
     of one shape (bench_sft.py's full rows); the first pass of another shape (rows, width or real tokens)
